@@ -1,0 +1,127 @@
+"""The ``kvpool`` command line. Subcommands arrive with the components they drive.
+
+* ``kvpool hash``: block keys of a token list, to check that a worker (ours or vLLM) and
+  the router agree on block size and seed;
+* ``kvpool events listen``: follow a worker's KV event stream as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import msgspec
+
+from . import __version__
+from .hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher, block_key
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """Token ids written as ``1,2,3``, ``1 2 3`` or ranges such as ``1..64`` (inclusive)."""
+    tokens: list[int] = []
+    for part in text.replace(",", " ").split():
+        try:
+            if ".." in part:
+                lo, hi = part.split("..", 1)
+                start, stop = int(lo), int(hi)
+                if stop < start:
+                    raise ValueError
+                tokens.extend(range(start, stop + 1))
+            else:
+                tokens.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a token id or an ascending range like 1..64"
+            ) from None
+    if any(t < 0 for t in tokens):
+        raise argparse.ArgumentTypeError("token ids must not be negative")
+    return tokens
+
+
+def _cmd_hash(args: argparse.Namespace) -> int:
+    hasher = BlockHasher(block_size=args.block_size, hash_seed=args.seed)
+    digests = hasher.hash_prompt(args.tokens, lora_name=args.lora_name, cache_salt=args.cache_salt)
+    print(f"# {hasher.fingerprint}: {len(args.tokens)} tokens, {len(digests)} full blocks")
+    for i, digest in enumerate(digests):
+        print(f"{i}\t{block_key(digest)}\t{digest.hex()}")
+    return 0
+
+
+async def _listen(args: argparse.Namespace) -> int:
+    from .kv_events import EventSubscriber, Received
+
+    seen = 0
+    async with EventSubscriber(
+        args.endpoint, args.replay, topic=args.topic, start_seq=args.from_seq
+    ) as sub:
+        async for item in sub:
+            if isinstance(item, Received):
+                line = {
+                    "seq": item.seq,
+                    "ts": item.batch.ts,
+                    "data_parallel_rank": item.batch.data_parallel_rank,
+                    "replayed": item.replayed,
+                    "events": msgspec.to_builtins(item.batch.events),
+                }
+            else:
+                line = {"resync_needed": msgspec.to_builtins(item)}
+            print(json.dumps(line), flush=True)
+            seen += 1
+            if args.count and seen >= args.count:
+                break
+    return 0
+
+
+def _cmd_listen(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_listen(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hash", help="print the block keys of a token list")
+    p.add_argument("tokens", type=parse_token_ids, help="token ids: '1,2,3', '1 2 3' or '1..64'")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--seed", default=DEFAULT_HASH_SEED, help="hash seed (vLLM: PYTHONHASHSEED)")
+    p.add_argument("--lora-name", default=None)
+    p.add_argument("--cache-salt", default=None)
+    p.set_defaults(func=_cmd_hash)
+
+    p = sub.add_parser("events", help="KV event streams")
+    events = p.add_subparsers(dest="events_command", required=True)
+    p = events.add_parser("listen", help="print a worker's KV events as JSON lines")
+    p.add_argument("endpoint", help="the worker's PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    p.add_argument("--replay", default=None, help="the worker's replay endpoint, to fill gaps")
+    p.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    p.add_argument("--from-seq", type=int, default=None, help="replay from this sequence first")
+    p.add_argument("--count", type=int, default=0, help="stop after this many lines (0: never)")
+    p.set_defaults(func=_cmd_listen)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad settings, named precisely by the code that found them
+        parser.exit(2, f"kvpool: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

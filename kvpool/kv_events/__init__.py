@@ -1,0 +1,55 @@
+"""KV cache events: the wire format (contract 2) and the ZMQ publisher and subscriber."""
+
+from .events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Encoding,
+    EventBatch,
+    KVCacheEvent,
+    MalformedMessage,
+    MalformedPayload,
+    UnknownEvent,
+    decode_batch,
+    encode_batch,
+    encode_seq,
+    parse_frames,
+    parse_seq,
+)
+from .publisher import EventPublisher
+from .subscriber import (
+    Delivery,
+    EventSubscriber,
+    Received,
+    ResyncNeeded,
+    SequenceTracker,
+    SubscriberStats,
+    Verdict,
+)
+
+__all__ = [
+    "END_OF_REPLAY",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Delivery",
+    "Encoding",
+    "EventBatch",
+    "EventPublisher",
+    "EventSubscriber",
+    "KVCacheEvent",
+    "MalformedMessage",
+    "MalformedPayload",
+    "Received",
+    "ResyncNeeded",
+    "SequenceTracker",
+    "SubscriberStats",
+    "UnknownEvent",
+    "Verdict",
+    "decode_batch",
+    "encode_batch",
+    "encode_seq",
+    "parse_frames",
+    "parse_seq",
+]

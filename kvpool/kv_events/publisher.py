@@ -1,0 +1,230 @@
+"""Publishes a worker's KV events on a ZMQ PUB socket, with a replay buffer.
+
+Every batch goes out as three frames ``[topic, sequence, payload]`` with a sequence number
+that grows by one per batch from 0. The last ``buffer_size`` messages are kept; a ROUTER
+socket answers a request holding an 8-byte start sequence with every buffered message from
+there on, each as ``[sequence, payload]``, then ``[-1, b""]``. The layout is vLLM's, so a
+subscriber written for vLLM's publisher works against ours and the other way round.
+
+ZMQ sockets are not thread-safe, so one background thread owns both sockets; the engine
+thread only enqueues (:meth:`EventPublisher.publish` never blocks on the network).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from .events import (
+    END_OF_REPLAY,
+    Encoding,
+    EventBatch,
+    KVCacheEvent,
+    MalformedMessage,
+    encode_batch,
+    encode_seq,
+    parse_seq,
+)
+
+__all__ = ["EventPublisher"]
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EventPublisher:
+    """Publish KV event batches over ZMQ; serve replays of recent ones.
+
+    ``endpoint`` and ``replay_endpoint`` are ZMQ bind addresses; a port of ``*``
+    (``tcp://127.0.0.1:*``) binds a free port, and the bound addresses are available as
+    :attr:`endpoint` and :attr:`replay_endpoint` once :meth:`start` returns.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = "tcp://*:5558",
+        *,
+        topic: str | bytes = b"",
+        buffer_size: int = 10_000,
+        encoding: Encoding = "array",
+        data_parallel_rank: int | None = 0,
+        send_hwm: int = 100_000,
+    ) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be at least 1, got {buffer_size}")
+        if encoding not in ("array", "map"):
+            raise ValueError(f"encoding must be 'array' or 'map', got {encoding!r}")
+        self._bind = endpoint
+        self._replay_bind = replay_endpoint
+        self.topic = topic.encode() if isinstance(topic, str) else bytes(topic)
+        self.encoding: Encoding = encoding
+        self.data_parallel_rank = data_parallel_rank
+        self._send_hwm = send_hwm
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
+        self._queue: queue.SimpleQueue[EventBatch | object] = queue.SimpleQueue()
+        self._next_seq = 0
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> EventPublisher:
+        if self._thread is not None:
+            raise RuntimeError("publisher already started")
+        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then close the sockets."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._wake()
+        self._thread.join(timeout)
+        self._thread = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> EventPublisher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- publishing -------------------------------------------------------------------
+
+    def publish(self, events: Sequence[KVCacheEvent] | EventBatch) -> None:
+        """Queue one batch; thread-safe and non-blocking."""
+        if self._thread is None:
+            raise RuntimeError("publisher is not started")
+        if isinstance(events, EventBatch):
+            batch = events
+        else:
+            batch = EventBatch(
+                events=list(events), ts=time.time(), data_parallel_rank=self.data_parallel_rank
+            )
+        self._queue.put(batch)
+        self._wake()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch sent will carry."""
+        return self._next_seq
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (the thread will drain the queue anyway) or already closed
+
+    # -- the thread that owns the sockets ----------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        replay = ctx.socket(zmq.ROUTER) if self._replay_bind else None
+        try:
+            pub.setsockopt(zmq.SNDHWM, self._send_hwm)
+            pub.setsockopt(zmq.LINGER, 1000)
+            pub.bind(self._bind)
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            if replay is not None:
+                replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what exceeds its high-water mark: let a whole buffer through.
+                replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 2)
+                replay.bind(self._replay_bind)
+                self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._start_error = OSError(f"cannot bind KV event sockets: {exc}")
+            pub.close(0)
+            if replay is not None:
+                replay.close(0)
+            self._ready.set()
+            return
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._ready.set()
+        logger.info(
+            "publishing KV events on %s (replay on %s)", self.endpoint, self.replay_endpoint
+        )
+
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
+        try:
+            running = True
+            while running:
+                ready = dict(poller.poll())
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                    running = self._drain(pub)
+                if replay is not None and replay in ready:
+                    self._serve_replays(replay)
+        except Exception:  # the publisher must never take the engine down with it
+            logger.exception("KV event publisher thread failed")
+        finally:
+            pub.close()
+            if replay is not None:
+                replay.close()
+
+    def _drain(self, pub: zmq.Socket) -> bool:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is _STOP:
+                return False
+            assert isinstance(item, EventBatch)
+            payload = encode_batch(item, self.encoding)
+            seq = self._next_seq
+            pub.send_multipart((self.topic, encode_seq(seq), payload), copy=False)
+            self._buffer.append((seq, payload))
+            self._next_seq = seq + 1
+
+    def _serve_replays(self, replay: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [identity, (empty delimiter from REQ/DEALER,) start sequence]
+            envelope, request = frames[:-1], frames[-1]
+            if len(envelope) < 1:
+                continue
+            try:
+                start = parse_seq(request)
+            except MalformedMessage as exc:
+                logger.warning("bad KV event replay request: %s", exc)
+                start = None
+            if start is not None and self._buffer:
+                # Buffered sequence numbers are contiguous: skip straight to the start.
+                skip = max(0, start - self._buffer[0][0])
+                for seq, payload in itertools.islice(self._buffer, skip, None):
+                    replay.send_multipart((*envelope, encode_seq(seq), payload))
+            replay.send_multipart((*envelope, encode_seq(END_OF_REPLAY), b""))

@@ -1,0 +1,1 @@
+"""The kopf operator for InferencePool resources. Built in a later issue; imports only `kvpool`."""

@@ -1,0 +1,1 @@
+"""The KV-aware router (FastAPI). Built in a later issue; imports only `kvpool`."""

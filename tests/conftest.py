@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvpool.kv_events import (
+    Delivery,
+    EventPublisher,
+    EventSubscriber,
+    Received,
+    ResyncNeeded,
+    parse_frames,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def hash_vectors() -> dict[str, Any]:
+    return json.loads((DATA / "block_hash_vectors.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def event_samples() -> dict[str, Any]:
+    return json.loads((DATA / "kv_event_samples.json").read_text())
+
+
+@pytest.fixture
+def make_publisher() -> Iterator[Callable[..., EventPublisher]]:
+    """Start real publishers on free loopback ports; all are closed at the end."""
+    started: list[EventPublisher] = []
+
+    def make(**kwargs: Any) -> EventPublisher:
+        kwargs.setdefault("endpoint", "tcp://127.0.0.1:*")
+        kwargs.setdefault("replay_endpoint", "tcp://127.0.0.1:*")
+        pub = EventPublisher(**kwargs).start()
+        started.append(pub)
+        return pub
+
+    yield make
+    for pub in started:
+        pub.close()
+
+
+class Collector:
+    """Runs a subscriber's loop in a task and keeps what it delivers, so tests can wait for
+    a condition with a deadline instead of sleeping."""
+
+    def __init__(self, sub: EventSubscriber) -> None:
+        self.sub = sub
+        self.items: list[Delivery] = []
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        async for item in self.sub:
+            self.items.append(item)
+            self._changed.set()
+
+    @property
+    def batches(self) -> list[Received]:
+        return [i for i in self.items if isinstance(i, Received)]
+
+    @property
+    def resyncs(self) -> list[ResyncNeeded]:
+        return [i for i in self.items if isinstance(i, ResyncNeeded)]
+
+    @property
+    def seqs(self) -> list[int]:
+        return [b.seq for b in self.batches]
+
+    async def wait_until(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+        async def waiter() -> None:
+            while not condition():
+                if self._task.done():
+                    self._task.result()  # surface the loop's exception
+                    raise AssertionError("subscriber loop ended")
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(waiter(), timeout)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self.sub.close()
+
+
+@pytest.fixture
+async def collect() -> Any:
+    collectors: list[Collector] = []
+
+    def make(sub: EventSubscriber) -> Collector:
+        c = Collector(sub)
+        collectors.append(c)
+        return c
+
+    yield make
+    for c in collectors:
+        await c.stop()
+
+
+class LossyProxy:
+    """A real ZMQ hop between publisher and subscriber that loses the messages ``drop``
+    picks, and can slip raw frames into the stream: the network's faults, on loopback."""
+
+    def __init__(self, upstream: str, drop: Callable[[int], bool] = lambda seq: False) -> None:
+        ctx = zmq.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.drop = drop
+        self.dropped: list[int] = []
+        self.forwarded: list[int] = []
+        self.corrupt: set[int] = set()
+        self._inject: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def inject(self, frames: list[bytes]) -> None:
+        self._inject.put(frames)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while not self._inject.empty():
+                self._pub.send_multipart(self._inject.get())
+            if not self._sub.poll(10):
+                continue
+            frames = self._sub.recv_multipart()
+            _, seq, _ = parse_frames(frames)
+            if self.drop(seq):
+                self.dropped.append(seq)
+                continue
+            if seq in self.corrupt:
+                frames = [frames[0], frames[1], b"\xc1 damaged in transit"]
+            self.forwarded.append(seq)
+            self._pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._pub.close(0)
+
+
+@pytest.fixture
+def lossy_proxy() -> Iterator[Callable[..., LossyProxy]]:
+    proxies: list[LossyProxy] = []
+
+    def make(upstream: str, drop: Callable[[int], bool] = lambda seq: False) -> LossyProxy:
+        p = LossyProxy(upstream, drop)
+        proxies.append(p)
+        return p
+
+    yield make
+    for p in proxies:
+        p.close()

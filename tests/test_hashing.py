@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.cli import parse_token_ids
+from kvpool.hashing import (
+    BlockHasher,
+    HashSchemeMismatch,
+    block_key,
+    hash_block,
+    seed_digest,
+)
+
+
+def _cases(vectors: dict) -> list[dict]:
+    return vectors["cases"]
+
+
+def test_every_published_vector_is_reproduced(hash_vectors: dict) -> None:
+    assert _cases(hash_vectors), "the vector file holds no cases"
+    for case in _cases(hash_vectors):
+        hasher = BlockHasher(block_size=case["block_size"], hash_seed=case["seed"])
+        tokens = parse_token_ids(case["token_ids"])
+        assert hasher.root.hex() == case["seed_digest_hex"]
+        digests = hasher.hash_prompt(tokens)
+        assert [d.hex() for d in digests] == [b["digest_hex"] for b in case["blocks"]]
+        assert hasher.prompt_keys(tokens) == [b["key_u64"] for b in case["blocks"]]
+
+
+def test_incremental_chain_reproduces_vectors_token_by_token(hash_vectors: dict) -> None:
+    for case in _cases(hash_vectors):
+        chain = BlockHasher(case["block_size"], case["seed"]).chain()
+        for token in parse_token_ids(case["token_ids"]):
+            chain.extend([token])
+        assert chain.keys == [b["key_u64"] for b in case["blocks"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=300),
+    block_size=st.integers(min_value=1, max_value=64),
+    cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=12),
+    lora_name=st.none() | st.text(min_size=1, max_size=8),
+    cache_salt=st.none() | st.text(min_size=1, max_size=8),
+)
+def test_whole_prompt_hashing_equals_incremental_hashing(
+    tokens: list[int],
+    block_size: int,
+    cuts: list[int],
+    lora_name: str | None,
+    cache_salt: str | None,
+) -> None:
+    hasher = BlockHasher(block_size=block_size, hash_seed="7")
+    whole = hasher.hash_prompt(tokens, lora_name=lora_name, cache_salt=cache_salt)
+
+    chain = hasher.chain(lora_name=lora_name, cache_salt=cache_salt)
+    completed: list[bytes] = []
+    bounds = sorted({0, len(tokens), *(c for c in cuts if c <= len(tokens))})
+    for lo, hi in itertools.pairwise(bounds):
+        completed.extend(chain.extend(tokens[lo:hi]))
+
+    assert chain.digests == whole
+    assert completed == whole  # each block reported once, when it completed
+    assert len(whole) == len(tokens) // block_size
+    assert chain.pending == tokens[len(whole) * block_size :]
+    assert chain.num_tokens == len(tokens)
+
+
+def test_partial_tail_block_is_not_hashed() -> None:
+    hasher = BlockHasher(block_size=16)
+    assert hasher.hash_prompt(list(range(15))) == []
+    assert len(hasher.hash_prompt(list(range(31)))) == 1
+
+
+def test_equal_prefixes_share_hashes_and_diverge_after() -> None:
+    hasher = BlockHasher(block_size=4)
+    a = hasher.prompt_keys([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+    b = hasher.prompt_keys([1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0])
+    assert a[:2] == b[:2]
+    assert a[2] != b[2]
+
+
+def test_a_different_first_block_changes_every_later_hash() -> None:
+    hasher = BlockHasher(block_size=4)
+    a = hasher.prompt_keys([1, 2, 3, 4, 5, 6, 7, 8])
+    b = hasher.prompt_keys([9, 2, 3, 4, 5, 6, 7, 8])
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_lora_name_is_mixed_into_every_block() -> None:
+    hasher = BlockHasher(block_size=4)
+    tokens = list(range(12))
+    plain = hasher.hash_prompt(tokens)
+    lora = hasher.hash_prompt(tokens, lora_name="sql-adapter")
+    assert all(p != q for p, q in zip(plain, lora, strict=True))
+    # Every block, not only the first: block 1 hashed from lora's block 0 still differs
+    # unless the name is in its own extra keys.
+    assert lora[1] == hash_block(lora[0], tokens[4:8], ("sql-adapter",))
+    assert lora[1] != hash_block(lora[0], tokens[4:8], None)
+
+
+def test_cache_salt_is_mixed_into_the_first_block_only() -> None:
+    hasher = BlockHasher(block_size=4)
+    tokens = list(range(12))
+    plain = hasher.hash_prompt(tokens)
+    salted = hasher.hash_prompt(tokens, cache_salt="tenant-a")
+    assert salted[0] == hash_block(hasher.root, tokens[:4], ("tenant-a",))
+    assert salted[1] == hash_block(salted[0], tokens[4:8], None)
+    assert not set(salted) & set(plain)  # through the chain, no block is shared
+    other = hasher.hash_prompt(tokens, cache_salt="tenant-b")
+    assert not set(salted) & set(other)
+
+
+def test_lora_name_comes_before_cache_salt_in_extra_keys() -> None:
+    hasher = BlockHasher(block_size=4)
+    tokens = list(range(4))
+    both = hasher.hash_prompt(tokens, lora_name="L", cache_salt="S")
+    assert both[0] == hash_block(hasher.root, tokens, ("L", "S"))
+
+
+def test_hash_seed_changes_every_hash() -> None:
+    tokens = list(range(32))
+    assert not set(BlockHasher(hash_seed="0").prompt_keys(tokens)) & set(
+        BlockHasher(hash_seed="1").prompt_keys(tokens)
+    )
+
+
+def test_key_is_last_eight_bytes_big_endian() -> None:
+    digest = bytes(range(24)) + bytes.fromhex("0102030405060708")
+    assert block_key(digest) == 0x0102030405060708
+    assert seed_digest("0").hex().startswith("4e1195df")
+
+
+def test_scheme_mismatch_is_reported_with_both_sides() -> None:
+    ours = BlockHasher(block_size=16, hash_seed="0")
+    ours.check_compatible(BlockHasher(block_size=16, hash_seed="0"))
+    with pytest.raises(HashSchemeMismatch, match=r"worker-3 .*bs32.* this side uses .*bs16"):
+        ours.check_compatible(BlockHasher(block_size=32, hash_seed="0"), what="worker-3")
+    with pytest.raises(HashSchemeMismatch):
+        ours.check_compatible(BlockHasher(block_size=16, hash_seed="1"))
+    assert ours.fingerprint != BlockHasher(hash_seed="1").fingerprint
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "at least 1"),
+        ({"block_size": -4}, "at least 1"),
+        ({"block_size": 1.5}, "must be an integer"),
+        ({"block_size": True}, "must be an integer"),
+        ({"hash_seed": 0}, "must be a string"),
+    ],
+)
+def test_bad_hasher_settings_are_refused_clearly(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BlockHasher(**kwargs)

@@ -1,0 +1,297 @@
+"""KV events over real ZMQ sockets on loopback: publisher, subscriber, replay, faults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvpool.kv_events import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventSubscriber,
+    decode_batch,
+    encode_seq,
+    parse_seq,
+)
+
+
+def stored(i: int) -> BlockStored:
+    return BlockStored(block_hashes=[i], parent_block_hash=None, token_ids=[i] * 4, block_size=4)
+
+
+async def prime(pub, collector, ready=None, timeout: float = 10.0) -> int:
+    """Publish probes until the subscriber's connection carries them (ZMQ's slow joiner)
+    and ``ready()`` holds; returns how many batches were published so far."""
+    ready = ready or (lambda: bool(collector.batches))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not ready():
+        assert loop.time() < deadline, "subscriber never received anything"
+        pub.publish([AllBlocksCleared()])
+        try:
+            await collector.wait_until(ready, timeout=0.05)
+        except TimeoutError:
+            pass
+    await collector.wait_until(lambda: collector.batches[-1].seq == pub.next_seq - 1)
+    return pub.next_seq
+
+
+async def test_ten_thousand_events_arrive_complete_and_in_order(make_publisher, collect) -> None:
+    pub = make_publisher()
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+
+    for i in range(10_000):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.batches[-1].seq == first + 9_999, timeout=60)
+
+    tail = sub.batches[-10_000:]
+    assert [b.seq for b in tail] == list(range(first, first + 10_000))
+    assert [b.batch.events[0].block_hashes[0] for b in tail] == list(range(10_000))
+    assert not sub.resyncs
+    assert sub.sub.stats.gaps == 0  # loopback with high-water marks loses nothing
+
+
+async def test_a_late_subscriber_catches_up_through_replay_from_zero(
+    make_publisher, collect
+) -> None:
+    pub = make_publisher()
+    for i in range(50):
+        pub.publish([stored(i)])
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0))
+    await sub.wait_until(lambda: len(sub.batches) == 50)
+    assert sub.seqs == list(range(50))
+    assert all(b.replayed for b in sub.batches)
+    pub.publish([stored(50)])
+    await sub.wait_until(lambda: len(sub.batches) == 51)
+    assert sub.batches[-1].replayed is False
+    assert not sub.resyncs
+
+
+async def test_dropped_messages_are_recovered_through_replay(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher(buffer_size=1000)
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    # From here on the hop loses every seventh message and a run of sixty.
+    proxy.drop = lambda seq: seq > first and (seq % 7 == 3 or first + 200 <= seq < first + 260)
+    for i in range(500):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 499)
+
+    tail = sub.batches[-500:]
+    assert [b.seq for b in tail] == list(range(first, first + 500))
+    assert [b.batch.events[0].block_hashes[0] for b in tail] == list(range(500))
+    assert not sub.resyncs
+    replayed = {b.seq for b in tail if b.replayed}
+    expected_drops = {s for s in range(first, first + 500) if proxy.drop(s)}
+    assert set(proxy.dropped) == expected_drops, sorted(expected_drops - set(proxy.dropped))
+    assert expected_drops <= replayed  # all lost, all recovered
+    assert sub.sub.stats.gaps >= 1
+
+
+async def test_a_gap_older_than_the_replay_buffer_signals_resync(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher(buffer_size=50)
+    proxy = lossy_proxy(pub.endpoint, drop=lambda seq: 100 <= seq < 400)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    assert first < 100
+    for i in range(first, 420):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == 419)
+
+    (resync,) = sub.resyncs
+    # The buffer still holds 370..419; 100..369 are gone for good.
+    assert (resync.first_lost, resync.last_lost) == (100, 369)
+    assert "replay buffer does not hold" in resync.reason
+    start = sub.seqs[0]
+    assert sub.seqs == list(range(start, 100)) + list(range(370, 420))
+    after = sub.items[sub.items.index(resync) + 1 :]
+    assert [b.seq for b in after] == list(range(370, 420))  # valid again after the signal
+
+
+async def test_malformed_messages_are_survived_and_the_next_good_one_is_delivered(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint))
+    await prime(pub, sub)
+    stats = sub.sub.stats
+
+    proxy.inject([b"", b"only two frames"])
+    proxy.inject([b"", encode_seq(1), b"payload", b"and a fourth frame"])
+    proxy.inject([b"", b"\x01\x02\x03", b"a short sequence frame"])
+    pub.publish([stored(1)])
+    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(1)])
+    assert stats.malformed_messages == 3
+
+    # An event type from the future, among known ones, in a batch with the next sequence.
+    future = msgspec.msgpack.encode(
+        [1.0, [["BlocksMigrated", [9], "CPU"], ["BlockRemoved", [1], "GPU"]], 0]
+    )
+    proxy.inject([b"", encode_seq(pub.next_seq), future])
+    await sub.wait_until(lambda: stats.unknown_events == 1)
+    assert sub.batches[-1].batch.events[1] == BlockRemoved(block_hashes=[1])
+    assert not sub.resyncs
+    # The injected batch took a sequence number the publisher will use next: the real
+    # one is then a duplicate, and the stream carries on after it.
+    pub.publish([stored(2)])
+    pub.publish([stored(3)])
+    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(3)])
+    assert sub.batches[-2].batch.events == [stored(2)]
+
+
+async def test_a_payload_damaged_in_transit_is_fetched_again_from_the_publisher(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    proxy.corrupt.add(first + 1)
+    for i in range(3):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 2)
+
+    assert sub.sub.stats.malformed_payloads == 1
+    assert not sub.resyncs
+    assert [b.batch.events for b in sub.batches[-3:]] == [[stored(0)], [stored(1)], [stored(2)]]
+    assert sub.batches[-2].replayed
+
+
+async def test_a_payload_the_publisher_itself_cannot_give_signals_resync(collect) -> None:
+    """A raw PUB socket with no replay behind it stands for a broken publisher."""
+    ctx = zmq.asyncio.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    raw.bind("tcp://127.0.0.1:*")
+    good = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]], 0])
+    try:
+        sub = collect(EventSubscriber(raw.getsockopt_string(zmq.LAST_ENDPOINT)))
+        seq = 0
+        while not sub.batches:
+            await raw.send_multipart([b"", encode_seq(seq), good])
+            seq += 1
+            try:
+                await sub.wait_until(lambda: bool(sub.batches), timeout=0.05)
+            except TimeoutError:
+                pass
+        last = sub.seqs[-1]
+        await raw.send_multipart([b"", encode_seq(last + 1), b"\x93garbage"])
+        await raw.send_multipart([b"", encode_seq(last + 2), good])
+        await sub.wait_until(lambda: sub.seqs[-1] == last + 2)
+        (resync,) = sub.resyncs
+        assert (resync.first_lost, resync.last_lost) == (last + 1, last + 1)
+        assert "cannot be decoded" in resync.reason
+        assert sub.sub.stats.malformed_payloads == 1
+    finally:
+        raw.close(0)
+
+
+async def test_a_gap_with_no_replay_endpoint_signals_resync(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint, drop=lambda seq: seq in (120, 121))
+    sub = collect(EventSubscriber(proxy.endpoint))  # no replay endpoint
+    first = await prime(pub, sub)
+    for i in range(first, 130):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == 129)
+    (resync,) = sub.resyncs
+    assert (resync.first_lost, resync.last_lost) == (120, 121)
+
+
+async def test_an_unanswered_replay_request_signals_resync(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint, drop=lambda seq: seq == 90)
+    # A replay endpoint where nothing listens.
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        sub = collect(
+            EventSubscriber(
+                proxy.endpoint, silent.getsockopt_string(zmq.LAST_ENDPOINT), replay_timeout=0.2
+            )
+        )
+        first = await prime(pub, sub)
+        for i in range(first, 100):
+            pub.publish([stored(i)])
+        await sub.wait_until(lambda: sub.seqs[-1] == 99)
+        assert sub.sub.stats.replay_failures == 1
+        (resync,) = sub.resyncs
+        assert (resync.first_lost, resync.last_lost) == (90, 90)
+    finally:
+        silent.close(0)
+
+
+async def test_a_restarted_publisher_signals_resync_and_is_read_from_its_start(
+    make_publisher, collect
+) -> None:
+    pub = make_publisher()
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint))
+    await prime(pub, sub)
+    for i in range(20):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(19)])
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    pub.close()
+
+    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    await prime(restarted, sub, ready=lambda: bool(sub.resyncs))
+    (resync,) = sub.resyncs
+    assert "restarted" in resync.reason
+    after = sub.items[sub.items.index(resync) + 1 :]
+    # The new stream is read from its first batch (replayed: the SUB reconnected late).
+    assert [b.seq for b in after] == list(range(restarted.next_seq))
+    assert after[0].replayed
+
+
+async def test_replay_socket_speaks_vllms_protocol_to_a_req_client(make_publisher) -> None:
+    """A client written for vLLM's publisher (REQ socket) reads our replay unchanged."""
+    pub = make_publisher(buffer_size=10, encoding="map")
+    for i in range(15):
+        pub.publish([stored(i)])
+    ctx = zmq.asyncio.Context.instance()
+    req = ctx.socket(zmq.DEALER)  # a REQ socket sends the same envelope
+    req.connect(pub.replay_endpoint)
+    try:
+        await req.send_multipart([b"", (7).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            assert await req.poll(5000)
+            _, seq_frame, payload = await req.recv_multipart()
+            seq = parse_seq(seq_frame)
+            if seq == END_OF_REPLAY:
+                assert payload == b""
+                break
+            seqs.append(seq)
+            assert decode_batch(payload).events == [stored(seq)]
+        assert seqs == list(range(7, 15))  # 5 and 6 already left the 10-message buffer
+    finally:
+        req.close(0)
+
+
+def test_publisher_refuses_bad_settings_and_unbindable_endpoints() -> None:
+    from kvpool.kv_events import EventPublisher
+
+    with pytest.raises(ValueError, match="buffer_size"):
+        EventPublisher(buffer_size=0)
+    with pytest.raises(ValueError, match="encoding"):
+        EventPublisher(encoding="xml")  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="cannot bind"):
+        EventPublisher("not-a-transport://x", None).start()
+    with pytest.raises(RuntimeError, match="not started"):
+        EventPublisher().publish([AllBlocksCleared()])

@@ -1,0 +1,1 @@
+"""The inference worker (PyTorch). Built in a later issue; imports only `kvpool`."""
