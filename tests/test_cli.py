@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.cli import main, parse_token_ids
+from kvpool.kv_events import BlockStored
+
+
+def test_hash_prints_the_published_keys(hash_vectors: dict, capsys) -> None:
+    case = hash_vectors["cases"][1]
+    assert (
+        main(
+            [
+                "hash",
+                case["token_ids"],
+                "--block-size",
+                str(case["block_size"]),
+                "--seed",
+                case["seed"],
+            ]
+        )
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# sha256_cbor/bs64/")
+    keys = [int(line.split("\t")[1]) for line in lines[1:]]
+    assert keys == [b["key_u64"] for b in case["blocks"]]
+
+
+@pytest.mark.parametrize("bad", ["1..x", "5..1", "-3", "seven"])
+def test_hash_refuses_bad_token_lists_with_a_clear_error(bad: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["hash", bad])
+    assert exit_info.value.code == 2
+    assert "token id" in capsys.readouterr().err
+
+
+def test_hash_refuses_a_bad_block_size(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["hash", "1..32", "--block-size", "0"])
+    assert "block_size must be at least 1" in capsys.readouterr().err
+
+
+def test_token_lists_accept_commas_spaces_and_ranges() -> None:
+    assert parse_token_ids("1,2 3..5") == [1, 2, 3, 4, 5]
+
+
+async def test_events_listen_prints_a_workers_events_as_json_lines(make_publisher) -> None:
+    pub = make_publisher()
+    for i in range(3):
+        pub.publish(
+            [BlockStored(block_hashes=[i], parent_block_hash=None, token_ids=[i], block_size=1)]
+        )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvpool.cli",
+        "events",
+        "listen",
+        pub.endpoint,
+        "--replay",
+        pub.replay_endpoint,
+        "--from-seq",
+        "0",
+        "--count",
+        "3",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert [line["seq"] for line in lines] == [0, 1, 2]
+    assert lines[2]["events"][0]["type"] == "BlockStored"
+    assert lines[2]["events"][0]["block_hashes"] == [2]
