@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpool-installed
 # The CPU build of torch, from this machine's local file; an open range would pull CUDA.
 TORCH ?= torch==2.13.0
+# The top-level operator/ folder would shadow the standard library's `operator` module
+# whenever Python puts the working directory on sys.path (`python -m ...` here). Python
+# 3.11's safe-path mode leaves it off, for every Python these targets start.
+export PYTHONSAFEPATH := 1
 
 .PHONY: install test lint format pytest bench clean
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -69,6 +70,7 @@ async def test_events_listen_prints_a_workers_events_as_json_lines(make_publishe
         "0",
         "--count",
         "3",
+        env={**os.environ, "PYTHONSAFEPATH": "1"},  # see the Makefile: operator/ at the root
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

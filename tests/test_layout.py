@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,10 @@ def test_the_core_imports_no_torch_and_no_web_framework() -> None:
         "bad = {'torch', 'fastapi', 'kopf', 'kvpool.router', 'kvpool.worker', 'kvpool.operator'}"
         " & set(sys.modules); print(sorted(bad))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.strip() == "[]"
 
 
