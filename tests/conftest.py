@@ -128,6 +128,7 @@ class LossyProxy:
         self.drop = drop
         self.dropped: list[int] = []
         self.forwarded: list[int] = []
+        self.last_seq = -1
         self.corrupt: set[int] = set()
         self._inject: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -137,14 +138,20 @@ class LossyProxy:
     def inject(self, frames: list[bytes]) -> None:
         self._inject.put(frames)
 
+    def _send_injected(self) -> None:
+        while not self._inject.empty():
+            self._pub.send_multipart(self._inject.get())
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            while not self._inject.empty():
-                self._pub.send_multipart(self._inject.get())
             if not self._sub.poll(10):
+                self._send_injected()
                 continue
             frames = self._sub.recv_multipart()
+            # What was injected before this message was published goes out before it.
+            self._send_injected()
             _, seq, _ = parse_frames(frames)
+            self.last_seq = seq
             if self.drop(seq):
                 self.dropped.append(seq)
                 continue

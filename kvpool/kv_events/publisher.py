@@ -141,7 +141,9 @@ class EventPublisher:
     # -- the thread that owns the sockets ----------------------------------------------
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        # A context of its own, terminated on close: when close() returns, the ports are
+        # free again (a restarted worker can bind them at once).
+        ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
         replay = ctx.socket(zmq.ROUTER) if self._replay_bind else None
         try:
@@ -160,6 +162,7 @@ class EventPublisher:
             pub.close(0)
             if replay is not None:
                 replay.close(0)
+            ctx.term()
             self._ready.set()
             return
         os.set_blocking(self._wake_r, False)
@@ -191,6 +194,7 @@ class EventPublisher:
             pub.close()
             if replay is not None:
                 replay.close()
+            ctx.term()  # waits for queued messages (up to the PUB's linger), frees the ports
 
     def _drain(self, pub: zmq.Socket) -> bool:
         while True:
@@ -203,9 +207,9 @@ class EventPublisher:
             assert isinstance(item, EventBatch)
             payload = encode_batch(item, self.encoding)
             seq = self._next_seq
+            self._next_seq = seq + 1  # before sending: no reader may see a sent seq as next
             pub.send_multipart((self.topic, encode_seq(seq), payload), copy=False)
             self._buffer.append((seq, payload))
-            self._next_seq = seq + 1
 
     def _serve_replays(self, replay: zmq.Socket) -> None:
         while True:
