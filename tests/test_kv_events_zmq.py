@@ -307,3 +307,16 @@ def test_publisher_refuses_bad_settings_and_unbindable_endpoints() -> None:
         EventPublisher("not-a-transport://x", None).start()
     with pytest.raises(RuntimeError, match="not started"):
         EventPublisher().publish([AllBlocksCleared()])
+
+
+async def test_a_batch_that_cannot_be_encoded_is_refused_and_publishing_goes_on(
+    make_publisher, collect
+) -> None:
+    pub = make_publisher()
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    with pytest.raises(ValueError, match="cannot be encoded"):
+        pub.publish([BlockRemoved(block_hashes=[2**70])])
+    pub.publish([stored(7)])
+    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(7)])
+    assert sub.seqs[-1] == first  # the refused batch took no sequence number

@@ -71,7 +71,7 @@ class EventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._send_hwm = send_hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
-        self._queue: queue.SimpleQueue[EventBatch | object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self._next_seq = 0
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -115,7 +115,10 @@ class EventPublisher:
     # -- publishing -------------------------------------------------------------------
 
     def publish(self, events: Sequence[KVCacheEvent] | EventBatch) -> None:
-        """Queue one batch; thread-safe and non-blocking."""
+        """Queue one batch; thread-safe and non-blocking.
+
+        The batch is encoded here, in the caller's thread, so that a batch that cannot be
+        encoded fails this call with a clear error instead of the sending thread."""
         if self._thread is None:
             raise RuntimeError("publisher is not started")
         if isinstance(events, EventBatch):
@@ -124,7 +127,11 @@ class EventPublisher:
             batch = EventBatch(
                 events=list(events), ts=time.time(), data_parallel_rank=self.data_parallel_rank
             )
-        self._queue.put(batch)
+        try:
+            payload = encode_batch(batch, self.encoding)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"KV event batch cannot be encoded: {exc}") from None
+        self._queue.put(payload)
         self._wake()
 
     @property
@@ -204,8 +211,8 @@ class EventPublisher:
                 return True
             if item is _STOP:
                 return False
-            assert isinstance(item, EventBatch)
-            payload = encode_batch(item, self.encoding)
+            assert isinstance(item, bytes)
+            payload = item
             seq = self._next_seq
             self._next_seq = seq + 1  # before sending: no reader may see a sent seq as next
             pub.send_multipart((self.topic, encode_seq(seq), payload), copy=False)
