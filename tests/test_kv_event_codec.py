@@ -227,3 +227,21 @@ def test_bad_framing_is_refused(frames: list[bytes], message: str) -> None:
 def test_unknown_encoding_is_refused() -> None:
     with pytest.raises(ValueError, match="'array' or 'map'"):
         encode_batch([AllBlocksCleared()], "json")  # type: ignore[arg-type]
+
+
+def test_array_encoding_refuses_map_only_fields_that_would_change_meaning() -> None:
+    sliding = BlockRemoved(block_hashes=[1], group_idx=3)
+    with pytest.raises(ValueError, match=r"group_idx=3.*use 'map'"):
+        encode_batch([sliding], "array")
+    assert decode_batch(encode_batch([sliding], "map")).events == [sliding]
+
+
+def test_damaged_payloads_that_trip_the_msgpack_reader_are_malformed_not_crashes() -> None:
+    bad_utf8 = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]], 0]).replace(
+        b"AllBlocksCleared", b"AllBlocks\xffleared"
+    )
+    with pytest.raises(MalformedPayload, match="not valid msgpack"):
+        decode_batch(bad_utf8)
+    deep = b"\x91" * 100_000 + b"\xc0"
+    with pytest.raises(MalformedPayload):
+        decode_batch(deep)

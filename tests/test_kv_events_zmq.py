@@ -14,7 +14,9 @@ from kvpool.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     EventSubscriber,
+    UnknownEvent,
     decode_batch,
     encode_seq,
     parse_seq,
@@ -147,20 +149,14 @@ async def test_malformed_messages_are_survived_and_the_next_good_one_is_delivere
     await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(1)])
     assert stats.malformed_messages == 3
 
-    # An event type from the future, among known ones, in a batch with the next sequence.
-    future = msgspec.msgpack.encode(
-        [1.0, [["BlocksMigrated", [9], "CPU"], ["BlockRemoved", [1], "GPU"]], 0]
-    )
-    proxy.inject([b"", encode_seq(sub.seqs[-1] + 1), future])
-    await sub.wait_until(lambda: stats.unknown_events == 1)
-    assert sub.batches[-1].batch.events[1] == BlockRemoved(block_hashes=[1])
-    assert not sub.resyncs
-    # The injected batch took a sequence number the publisher will use next: the real
-    # one is then a duplicate, and the stream carries on after it.
+    # An event type from the future, among known ones, from the publisher itself.
+    future = UnknownEvent(tag="BlocksMigrated", raw=["BlocksMigrated", [9], "CPU"])
+    pub.publish(EventBatch(events=[future, BlockRemoved(block_hashes=[1])], ts=1.0))
     pub.publish([stored(2)])
-    pub.publish([stored(3)])
-    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(3)])
-    assert sub.batches[-2].batch.events == [stored(2)]
+    await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(2)])
+    assert stats.unknown_events == 1
+    assert sub.batches[-2].batch.events == [future, BlockRemoved(block_hashes=[1])]
+    assert not sub.resyncs
 
 
 async def test_a_payload_damaged_in_transit_is_fetched_again_from_the_publisher(
@@ -266,9 +262,8 @@ async def test_a_restarted_publisher_signals_resync_and_is_read_from_its_start(
     (resync,) = sub.resyncs
     assert "restarted" in resync.reason
     after = sub.items[sub.items.index(resync) + 1 :]
-    # The new stream is read from its first batch (replayed: the SUB reconnected late).
+    # The new stream is read from its first batch.
     assert [b.seq for b in after] == list(range(first))
-    assert after[0].replayed
 
 
 async def test_replay_socket_speaks_vllms_protocol_to_a_req_client(make_publisher) -> None:
@@ -320,3 +315,136 @@ async def test_a_batch_that_cannot_be_encoded_is_refused_and_publishing_goes_on(
     pub.publish([stored(7)])
     await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(7)])
     assert sub.seqs[-1] == first  # the refused batch took no sequence number
+
+
+def incarnation(tag: int, i: int) -> BlockStored:
+    """A batch whose hash tells which run of the publisher sent it."""
+    return stored(tag * 100_000 + i)
+
+
+async def test_a_restart_that_outruns_the_reconnect_is_caught_by_the_continuity_check(
+    make_publisher, collect
+) -> None:
+    """The new run is past our position before the SUB reconnects: its sequence numbers
+    alone would look like a plain gap."""
+    pub = make_publisher()
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    for i in range(5):
+        pub.publish([incarnation(1, i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 4)
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    pub.close()
+
+    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    for i in range(first + 40):  # well past where the subscriber stands
+        restarted.publish([incarnation(2, i)])
+    await sub.wait_until(lambda: bool(sub.resyncs))
+    restarted.publish([incarnation(2, first + 40)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 40)
+
+    (resync,) = sub.resyncs
+    assert "restarted" in resync.reason
+    assert sub.sub.stats.reconnects == 1
+    after = sub.items[sub.items.index(resync) + 1 :]
+    assert [b.seq for b in after] == list(range(first + 41))
+    assert [b.batch.events for b in after] == [[incarnation(2, i)] for i in range(first + 41)]
+
+
+async def test_a_restart_inside_a_replayed_range_is_not_taken_for_duplicates(
+    make_publisher, collect
+) -> None:
+    pub = make_publisher()
+    for i in range(50):
+        pub.publish([incarnation(1, i)])
+    sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0))
+    await sub.wait_until(lambda: len(sub.batches) == 50)  # all of it through catch-up replay
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    pub.close()
+
+    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    first = await prime(restarted, sub, ready=lambda: bool(sub.resyncs))
+    (resync,) = sub.resyncs
+    assert "restarted" in resync.reason
+    after = sub.items[sub.items.index(resync) + 1 :]
+    assert [b.seq for b in after] == list(range(first))
+
+
+async def test_a_tail_lost_while_the_publisher_is_idle_is_recovered(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint, idle_check=0.2))
+    first = await prime(pub, sub)
+    proxy.drop = lambda seq: seq >= first + 3  # the last two, and then silence
+    for i in range(5):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 4)
+    assert [b.batch.events for b in sub.batches[-5:]] == [[stored(i)] for i in range(5)]
+    assert sub.batches[-1].replayed and sub.batches[-2].replayed
+    assert not sub.resyncs
+    assert sub.sub.stats.continuity_checks >= 1
+
+
+async def test_a_replay_abandoned_midway_does_not_poison_the_next_one(collect) -> None:
+    """A replay endpoint the test controls answers the first request only after the
+    subscriber gave up on it; the next request must read its own answers."""
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    live = ctx.socket(zmq.PUB)
+    live.bind("tcp://127.0.0.1:*")
+
+    def answer(envelope: list[bytes], tag: int) -> list[list[bytes]]:
+        batches = [
+            msgspec.msgpack.encode([1.0, [["BlockRemoved", [tag + i], "GPU"]], 0]) for i in range(3)
+        ]
+        return [[*envelope, encode_seq(i), b] for i, b in enumerate(batches)] + [
+            [*envelope, encode_seq(END_OF_REPLAY), b""]
+        ]
+
+    try:
+        subscriber = EventSubscriber(
+            live.getsockopt_string(zmq.LAST_ENDPOINT),
+            router.getsockopt_string(zmq.LAST_ENDPOINT),
+            start_seq=0,
+            replay_timeout=30,
+        )
+        first_try = collect(subscriber)
+        stale_request = await asyncio.wait_for(router.recv_multipart(), 10)
+        await first_try.stop()  # cancelled while waiting for the answer
+        for frames in answer(stale_request[:-1], tag=666):
+            await router.send_multipart(frames)
+
+        second_try = collect(subscriber)
+        fresh_request = await asyncio.wait_for(router.recv_multipart(), 10)
+        for frames in answer(fresh_request[:-1], tag=1):
+            await router.send_multipart(frames)
+        await second_try.wait_until(lambda: len(second_try.batches) == 3)
+        assert [b.batch.events for b in second_try.batches] == [
+            [BlockRemoved(block_hashes=[1 + i])] for i in range(3)
+        ]
+    finally:
+        router.close(0)
+        live.close(0)
+
+
+def test_a_closed_publisher_cannot_be_restarted_and_failed_starts_leak_nothing() -> None:
+    import os
+
+    from kvpool.kv_events import EventPublisher
+
+    pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").start()
+    pub.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.start()
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish([AllBlocksCleared()])
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(OSError, match="cannot bind"):
+            EventPublisher("not-a-transport://x", None).start()
+        EventPublisher()  # made, never started
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2

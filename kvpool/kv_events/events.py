@@ -99,6 +99,9 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+_MAP_ONLY_MEANINGFUL = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+
+
 @dataclass(frozen=True)
 class UnknownEvent:
     """An event whose type this version does not know, kept as it arrived (array or map) so
@@ -135,6 +138,14 @@ def _event_to_wire(event: KVCacheEvent | UnknownEvent, encoding: Encoding) -> An
     if encoding == "map":
         return event  # msgspec writes a tagged struct as a map with "type" first
     tag = type(event).__name__
+    # Fields the positional layout has no place for may be dropped only while they mean
+    # nothing (extra_keys only restates what the hashes already carry).
+    for name, default in _MAP_ONLY_MEANINGFUL.items():
+        value = getattr(event, name, default)
+        if value != default:
+            raise ValueError(
+                f"{tag} has {name}={value!r}, which the array encoding cannot carry: use 'map'"
+            )
     return [tag, *(getattr(event, name) for name in _ARRAY_FIELDS[tag])]
 
 
@@ -204,8 +215,10 @@ def decode_batch(payload: bytes) -> EventBatch:
     """Decode one event batch in either encoding; raise :class:`MalformedPayload` otherwise."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise MalformedPayload(f"payload is not valid msgpack: {exc}") from None
+    except RecursionError:
+        raise MalformedPayload("payload is nested too deeply to be an event batch") from None
     if not isinstance(raw, list) or len(raw) < 2:
         raise MalformedPayload("an event batch must be an array [ts, [events], dp_rank]")
     ts, events = raw[0], raw[1]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -74,37 +74,47 @@ class EventPublisher:
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self._next_seq = 0
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
-        self._wake_r, self._wake_w = os.pipe()
+        # Wakes the sending thread; made by start() and closed by that thread when it ends.
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
         self.endpoint: str | None = None
         self.replay_endpoint: str | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> EventPublisher:
+        if self._closed:
+            raise RuntimeError("publisher was closed: make a new one")
         if self._thread is not None:
             raise RuntimeError("publisher already started")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._ready.clear()
+        self._start_error = None
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
+            self._thread.join()
+            self._thread = None  # the thread closed the wake sockets: start() may be retried
             raise self._start_error
         return self
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued, then close the sockets."""
+        """Send what is queued, then close the sockets and free the ports."""
+        self._closed = True
         if self._thread is None:
             return
         self._queue.put(_STOP)
         self._wake()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("KV event publisher did not stop within %.1f s", timeout)
         self._thread = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
     def __enter__(self) -> EventPublisher:
         return self.start()
@@ -120,7 +130,13 @@ class EventPublisher:
         The batch is encoded here, in the caller's thread, so that a batch that cannot be
         encoded fails this call with a clear error instead of the sending thread."""
         if self._thread is None:
-            raise RuntimeError("publisher is not started")
+            raise RuntimeError(
+                "publisher is not started" if not self._closed else "publisher is closed"
+            )
+        if not self._thread.is_alive():
+            raise RuntimeError(
+                "KV event publisher thread has stopped (see the log); nothing is sent"
+            )
         if isinstance(events, EventBatch):
             batch = events
         else:
@@ -140,14 +156,25 @@ class EventPublisher:
         return self._next_seq
 
     def _wake(self) -> None:
+        wake = self._wake_w
+        if wake is None:
+            return
         try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (the thread will drain the queue anyway) or already closed
+            wake.send(b"\0")
+        except OSError:
+            pass  # buffer full (the thread drains the whole queue anyway) or already closed
 
     # -- the thread that owns the sockets ----------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            for wake in (self._wake_r, self._wake_w):
+                if wake is not None:
+                    wake.close()
+
+    def _serve(self) -> None:
         # A context of its own, terminated on close: when close() returns, the ports are
         # free again (a restarted worker can bind them at once).
         ctx = zmq.Context()
@@ -172,24 +199,23 @@ class EventPublisher:
             ctx.term()
             self._ready.set()
             return
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._ready.set()
         logger.info(
             "publishing KV events on %s (replay on %s)", self.endpoint, self.replay_endpoint
         )
 
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        wake_fd = self._wake_r.fileno()  # zmq's poller reports plain sockets by descriptor
+        poller.register(wake_fd, zmq.POLLIN)
         if replay is not None:
             poller.register(replay, zmq.POLLIN)
         try:
             running = True
             while running:
                 ready = dict(poller.poll())
-                if self._wake_r in ready:
+                if wake_fd in ready:
                     try:
-                        os.read(self._wake_r, 65536)
+                        self._wake_r.recv(65536)
                     except BlockingIOError:
                         pass
                     running = self._drain(pub)

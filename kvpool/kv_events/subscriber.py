@@ -9,8 +9,11 @@ blocks may be wrong and must be dropped. It is never left silently wrong:
   longer holds is reported as :class:`ResyncNeeded`;
 * a payload that does not decode is fetched again through replay (it may have been damaged
   on the way); if the publisher's own copy is bad too, that batch is lost: resync;
-* a sequence number that goes backwards means the publisher restarted with an empty cache:
-  resync, then the new stream is read from its start.
+* a publisher that restarted has an empty cache and a new stream from sequence 0: when the
+  sequence goes backwards, and whenever the connection is re-established or the stream has
+  been idle a while, the subscriber asks the replay socket for the last batch it consumed
+  and compares: a different or missing batch means a restart (resync, then the new stream
+  is read from its start); batches after it are ones it missed (delivered).
 
 Bad messages (wrong frame count, bad sequence frame, undecodable payload, events of unknown
 type) are logged and counted in :attr:`EventSubscriber.stats`; the loop goes on.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from .events import (
     END_OF_REPLAY,
@@ -84,6 +88,8 @@ class SubscriberStats:
     malformed_payloads: int = 0
     unknown_events: int = 0
     replay_failures: int = 0
+    reconnects: int = 0
+    continuity_checks: int = 0
 
 
 class Verdict(enum.Enum):
@@ -149,6 +155,9 @@ class EventSubscriber:
     ``start_seq``: ``None`` takes the stream from the first message that arrives; a number
     (0 for "everything") makes the subscriber replay from there, reporting
     :class:`ResyncNeeded` for whatever the replay buffer no longer holds.
+    ``idle_check``: seconds of silence after which the subscriber checks, through replay,
+    that it has not missed the stream's tail or a restart (``None``: never).
+    Stop it by cancelling the task that iterates, then :meth:`close`.
     """
 
     def __init__(
@@ -159,11 +168,14 @@ class EventSubscriber:
         topic: str | bytes = b"",
         start_seq: int | None = None,
         replay_timeout: float = 2.0,
+        idle_check: float | None = 5.0,
         recv_hwm: int = 100_000,
         name: str | None = None,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be positive, got {replay_timeout}")
+        if idle_check is not None and idle_check <= 0:
+            raise ValueError(f"idle_check must be positive or None, got {idle_check}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode() if isinstance(topic, str) else bytes(topic)
@@ -172,10 +184,14 @@ class EventSubscriber:
         self.tracker = SequenceTracker.starting_at(start_seq)
         self._start_seq = start_seq
         self._replay_timeout_ms = int(replay_timeout * 1000)
+        self._idle_ms = None if idle_check is None else int(idle_check * 1000)
         self._recv_hwm = recv_hwm
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
+        # The payload consumed at tracker.last, to tell the same stream from a new one.
+        self._last_payload: bytes | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -186,15 +202,19 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, self._recv_hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Connection events come first so that a reconnect is noticed before its messages.
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)
         self._sub = sub
         return self
 
     def close(self) -> None:
-        for sock in (self._sub, self._replay):
+        if self._sub is not None:
+            self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._replay = None
+        self._sub = self._monitor = self._replay = None
 
     async def __aenter__(self) -> EventSubscriber:
         return self.start()
@@ -209,13 +229,32 @@ class EventSubscriber:
 
     async def _iterate(self) -> AsyncIterator[Delivery]:
         self.start()
-        assert self._sub is not None
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
         if self._start_seq is not None and self.replay_endpoint:
             # Catch up on what was published before we connected.
-            async for item in self._replay_from(self._start_seq):
+            async for item in self._fill_from(self._start_seq):
                 yield item
-        while self._sub is not None:
-            frames = await self._sub.recv_multipart()
+        handshakes = 0
+        while True:
+            ready = dict(await poller.poll(self._idle_ms))
+            if not ready:
+                async for item in self._check_continuity(after_reconnect=False):
+                    yield item
+                continue
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    handshakes += 1
+                    if handshakes > 1:
+                        self.stats.reconnects += 1
+                        async for item in self._check_continuity(after_reconnect=True):
+                            yield item
+                continue  # poll again: connection events go before the messages after them
+            frames = await sub.recv_multipart()
             try:
                 _topic, seq, payload = parse_frames(frames)
             except MalformedMessage as exc:
@@ -233,19 +272,16 @@ class EventSubscriber:
             return
         if verdict is Verdict.RESTART:
             previous = tracker.last
-            tracker.restart()
+            self._restart()
             yield self._resync(f"publisher restarted: sequence went from {previous} back to {seq}")
             verdict = tracker.classify(seq, live=True)
+        known_bad = False
         if verdict is Verdict.NEXT:
             batch = self._decode(seq, payload)
             if batch is not None:
-                yield self._deliver(seq, batch, replayed=False)
+                yield self._deliver(seq, payload, batch, replayed=False)
                 return
-            if not self.replay_endpoint or tracker.expected is None:
-                tracker.consume(seq)
-                yield self._resync(f"batch {seq} cannot be decoded", seq, seq)
-                return
-            # Damaged on the way, perhaps: the publisher's copy may still be good.
+            known_bad = True  # damaged on the way, perhaps: the publisher's copy may be good
         else:
             self.stats.gaps += 1
             logger.info(
@@ -255,13 +291,15 @@ class EventSubscriber:
                 seq,
             )
         if self.replay_endpoint and tracker.expected is not None:
-            async for item in self._replay_from(tracker.expected):
+            async for item in self._fill_from(tracker.expected):
                 yield item
         # Whatever the replay did not cover is lost; a duplicate now means it was covered.
-        async for item in self._accept(seq, payload, replayed=False):
+        async for item in self._accept(seq, payload, replayed=False, known_bad=known_bad):
             yield item
 
-    async def _accept(self, seq: int, payload: bytes, *, replayed: bool) -> AsyncIterator[Delivery]:
+    async def _accept(
+        self, seq: int, payload: bytes, *, replayed: bool, known_bad: bool = False
+    ) -> AsyncIterator[Delivery]:
         """Take one message whose gap, if any, can no longer be filled."""
         tracker = self.tracker
         verdict = tracker.classify(seq, live=False)
@@ -272,46 +310,113 @@ class EventSubscriber:
         if verdict is Verdict.GAP:
             first = tracker.expected
             tracker.consume(seq - 1, replayed=replayed)
+            self._last_payload = None
             yield self._resync(
                 f"events {first}..{seq - 1} were lost and the replay buffer does not hold them",
                 first,
                 seq - 1,
             )
-        batch = self._decode(seq, payload)
+        batch = None if known_bad else self._decode(seq, payload)
         if batch is None:
             tracker.consume(seq, replayed=replayed)
-            yield self._resync(f"batch {seq} cannot be decoded, even from the publisher", seq, seq)
+            self._last_payload = payload
+            yield self._resync(
+                f"batch {seq} cannot be decoded and no good copy of it could be fetched", seq, seq
+            )
             return
-        yield self._deliver(seq, batch, replayed=replayed)
+        yield self._deliver(seq, payload, batch, replayed=replayed)
 
-    async def _replay_from(self, start: int) -> AsyncIterator[Delivery]:
-        sock = self._replay_socket()
-        await sock.send_multipart((b"", encode_seq(start)))
-        while True:
-            if not await sock.poll(self._replay_timeout_ms):
-                self.stats.replay_failures += 1
-                logger.warning(
-                    "KV events from %s: no replay answer from %s", self.name, self.replay_endpoint
-                )
-                # Late answers to this request must not be read as answers to the next one.
-                self._replay.close(linger=0)
-                self._replay = None
-                return
-            frames = await sock.recv_multipart()
-            if frames and not frames[0]:
-                frames = frames[1:]  # the empty delimiter of the DEALER/ROUTER envelope
-            try:
-                if len(frames) != 2:
-                    raise MalformedMessage(f"expected 2 replay frames, got {len(frames)}")
-                seq = parse_seq(frames[0])
-            except MalformedMessage as exc:
-                self.stats.malformed_messages += 1
-                logger.warning("KV events from %s: bad replay message: %s", self.name, exc)
-                continue
-            if seq == END_OF_REPLAY:
-                return
-            async for item in self._accept(seq, frames[1], replayed=True):
+    async def _fill_from(self, start: int) -> AsyncIterator[Delivery]:
+        """Deliver what the replay buffer holds from ``start`` on."""
+        messages = await self._fetch_replay(start)
+        for seq, payload in messages or ():
+            async for item in self._accept(seq, payload, replayed=True):
                 yield item
+
+    async def _check_continuity(self, *, after_reconnect: bool) -> AsyncIterator[Delivery]:
+        """Is the publisher still the stream we consumed up to ``tracker.last``?"""
+        last = self.tracker.last
+        if last is None or last < 0:
+            return  # nothing consumed yet: nothing to be wrong about
+        if not self.replay_endpoint:
+            if after_reconnect:
+                yield self._resync(
+                    "the connection to the publisher was re-established and, with no replay "
+                    "endpoint, what happened meanwhile cannot be checked"
+                )
+            return
+        self.stats.continuity_checks += 1
+        messages = await self._fetch_replay(last)
+        if messages is None:
+            if after_reconnect:
+                yield self._resync("the publisher reconnected but did not answer a replay request")
+            return
+        head = messages[0] if messages else None
+        if head is not None and head[0] == last:
+            if self._last_payload is None or head[1] == self._last_payload:
+                for seq, payload in messages[1:]:  # the tail we had missed, if any
+                    async for item in self._accept(seq, payload, replayed=True):
+                        yield item
+                return
+        elif head is not None and head[0] > last:
+            # The buffer moved past our position: same stream or not, it cannot be told.
+            yield self._resync(
+                f"cannot check the stream: the replay buffer no longer holds batch {last}",
+                last + 1,
+                head[0] - 1,
+            )
+            self.tracker.consume(head[0] - 1, replayed=True)
+            for seq, payload in messages:
+                async for item in self._accept(seq, payload, replayed=True):
+                    yield item
+            return
+        newest = messages[-1][0] if messages else "nothing"
+        self._restart()
+        yield self._resync(
+            f"publisher restarted: it holds {newest} where batch {last} was consumed"
+        )
+        async for item in self._fill_from(0):
+            yield item
+
+    async def _fetch_replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Everything the publisher's replay buffer holds from ``start`` on, or ``None`` if
+        it does not answer properly. A request not read to its end leaves its answers in
+        the socket, so such a socket is thrown away (cancellation included)."""
+        sock = self._replay_socket()
+        finished = False
+        try:
+            await sock.send_multipart((b"", encode_seq(start)))
+            messages: list[tuple[int, bytes]] = []
+            while True:
+                if not await sock.poll(self._replay_timeout_ms):
+                    self.stats.replay_failures += 1
+                    logger.warning(
+                        "KV events from %s: no replay answer from %s",
+                        self.name,
+                        self.replay_endpoint,
+                    )
+                    return None
+                frames = await sock.recv_multipart()
+                if frames and not frames[0]:
+                    frames = frames[1:]  # the empty delimiter of the DEALER/ROUTER envelope
+                try:
+                    if len(frames) != 2:
+                        raise MalformedMessage(f"expected 2 replay frames, got {len(frames)}")
+                    seq = parse_seq(frames[0])
+                except MalformedMessage as exc:
+                    # A publisher never sends these: whatever answers is not one.
+                    self.stats.malformed_messages += 1
+                    self.stats.replay_failures += 1
+                    logger.warning("KV events from %s: bad replay message: %s", self.name, exc)
+                    return None
+                if seq == END_OF_REPLAY:
+                    finished = True
+                    return messages
+                messages.append((seq, frames[1]))
+        finally:
+            if not finished and self._replay is sock:
+                sock.close(linger=0)
+                self._replay = None
 
     def _replay_socket(self) -> zmq.asyncio.Socket:
         if self._replay is None:
@@ -323,16 +428,24 @@ class EventSubscriber:
 
     # -- helpers ------------------------------------------------------------------------
 
+    def _restart(self) -> None:
+        self.tracker.restart()
+        self._last_payload = None
+
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
         try:
             return decode_batch(payload)
         except MalformedPayload as exc:
-            self.stats.malformed_payloads += 1
-            logger.warning("KV events from %s: batch %d is malformed: %s", self.name, seq, exc)
-            return None
+            reason = str(exc)
+        except Exception as exc:  # whatever a damaged payload provokes, the loop goes on
+            reason = f"{type(exc).__name__}: {exc}"
+        self.stats.malformed_payloads += 1
+        logger.warning("KV events from %s: batch %d is malformed: %s", self.name, seq, reason)
+        return None
 
-    def _deliver(self, seq: int, batch: EventBatch, *, replayed: bool) -> Received:
+    def _deliver(self, seq: int, payload: bytes, batch: EventBatch, *, replayed: bool) -> Received:
         self.tracker.consume(seq, replayed=replayed)
+        self._last_payload = payload
         stats = self.stats
         stats.batches += 1
         stats.events += len(batch.events)
