@@ -54,6 +54,20 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.01)
 
 
+def restart_publisher(pub, make_publisher):
+    """Close a publisher and start a new one on the same ports, as a restarted worker would."""
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    pub.close()
+    return make_publisher(endpoint=endpoint, replay_endpoint=replay)
+
+
+def after_the_restart_resync(sub) -> list:
+    """What the subscriber delivered after its one ResyncNeeded, which must name a restart."""
+    (resync,) = sub.resyncs
+    assert "restarted" in resync.reason
+    return sub.items[sub.items.index(resync) + 1 :]
+
+
 async def test_ten_thousand_events_arrive_complete_and_in_order(make_publisher, collect) -> None:
     pub = make_publisher()
     sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint))
@@ -254,16 +268,11 @@ async def test_a_restarted_publisher_signals_resync_and_is_read_from_its_start(
     for i in range(300):
         pub.publish([stored(i)])
     await sub.wait_until(lambda: sub.batches[-1].batch.events == [stored(299)])
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
-    pub.close()
 
-    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    restarted = restart_publisher(pub, make_publisher)
     first = await prime(restarted, sub, ready=lambda: bool(sub.resyncs))
-    (resync,) = sub.resyncs
-    assert "restarted" in resync.reason
-    after = sub.items[sub.items.index(resync) + 1 :]
     # The new stream is read from its first batch.
-    assert [b.seq for b in after] == list(range(first))
+    assert [b.seq for b in after_the_restart_resync(sub)] == list(range(first))
 
 
 async def test_replay_socket_speaks_vllms_protocol_to_a_req_client(make_publisher) -> None:
@@ -333,20 +342,16 @@ async def test_a_restart_that_outruns_the_reconnect_is_caught_by_the_continuity_
     for i in range(5):
         pub.publish([incarnation(1, i)])
     await sub.wait_until(lambda: sub.seqs[-1] == first + 4)
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
-    pub.close()
 
-    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    restarted = restart_publisher(pub, make_publisher)
     for i in range(first + 40):  # well past where the subscriber stands
         restarted.publish([incarnation(2, i)])
     await sub.wait_until(lambda: bool(sub.resyncs))
     restarted.publish([incarnation(2, first + 40)])
     await sub.wait_until(lambda: sub.seqs[-1] == first + 40)
 
-    (resync,) = sub.resyncs
-    assert "restarted" in resync.reason
+    after = after_the_restart_resync(sub)
     assert sub.sub.stats.reconnects == 1
-    after = sub.items[sub.items.index(resync) + 1 :]
     assert [b.seq for b in after] == list(range(first + 41))
     assert [b.batch.events for b in after] == [[incarnation(2, i)] for i in range(first + 41)]
 
@@ -359,15 +364,10 @@ async def test_a_restart_inside_a_replayed_range_is_not_taken_for_duplicates(
         pub.publish([incarnation(1, i)])
     sub = collect(EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0))
     await sub.wait_until(lambda: len(sub.batches) == 50)  # all of it through catch-up replay
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
-    pub.close()
 
-    restarted = make_publisher(endpoint=endpoint, replay_endpoint=replay)
+    restarted = restart_publisher(pub, make_publisher)
     first = await prime(restarted, sub, ready=lambda: bool(sub.resyncs))
-    (resync,) = sub.resyncs
-    assert "restarted" in resync.reason
-    after = sub.items[sub.items.index(resync) + 1 :]
-    assert [b.seq for b in after] == list(range(first))
+    assert [b.seq for b in after_the_restart_resync(sub)] == list(range(first))
 
 
 async def test_a_tail_lost_while_the_publisher_is_idle_is_recovered(
