@@ -192,6 +192,8 @@ class EventSubscriber:
         self._replay: zmq.asyncio.Socket | None = None
         # The payload consumed at tracker.last, to tell the same stream from a new one.
         self._last_payload: bytes | None = None
+        self._catch_up_pending = start_seq is not None
+        self._handshakes = 0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -234,11 +236,11 @@ class EventSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
-        if self._start_seq is not None and self.replay_endpoint:
+        if self._catch_up_pending and self.replay_endpoint:
             # Catch up on what was published before we connected.
-            async for item in self._fill_from(self._start_seq):
+            async for item in self._fill_from(self._start_seq or 0):
                 yield item
-        handshakes = 0
+        self._catch_up_pending = False
         while True:
             ready = dict(await poller.poll(self._idle_ms))
             if not ready:
@@ -248,8 +250,8 @@ class EventSubscriber:
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    handshakes += 1
-                    if handshakes > 1:
+                    self._handshakes += 1
+                    if self._handshakes > 1:
                         self.stats.reconnects += 1
                         async for item in self._check_continuity(after_reconnect=True):
                             yield item
