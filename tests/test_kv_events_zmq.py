@@ -96,7 +96,7 @@ async def test_a_late_subscriber_catches_up_through_replay_from_zero(
     assert all(b.replayed for b in sub.batches)
     pub.publish([stored(50)])
     await sub.wait_until(lambda: len(sub.batches) == 51)
-    assert sub.batches[-1].replayed is False
+    assert sub.seqs == list(range(51))
     assert not sub.resyncs
 
 
@@ -140,7 +140,7 @@ async def test_a_gap_older_than_the_replay_buffer_signals_resync(
     (resync,) = sub.resyncs
     # The buffer still holds 370..419; 100..369 are gone for good.
     assert (resync.first_lost, resync.last_lost) == (100, 369)
-    assert "replay buffer does not hold" in resync.reason
+    assert "replay buffer" in resync.reason
     start = sub.seqs[0]
     assert sub.seqs == list(range(start, 100)) + list(range(370, 420))
     after = sub.items[sub.items.index(resync) + 1 :]
@@ -351,7 +351,7 @@ async def test_a_restart_that_outruns_the_reconnect_is_caught_by_the_continuity_
     await sub.wait_until(lambda: sub.seqs[-1] == first + 40)
 
     after = after_the_restart_resync(sub)
-    assert sub.sub.stats.reconnects == 1
+    assert sub.sub.stats.disconnects == 1
     assert [b.seq for b in after] == list(range(first + 41))
     assert [b.batch.events for b in after] == [[incarnation(2, i)] for i in range(first + 41)]
 

@@ -129,11 +129,12 @@ class EventPublisher:
 
         The batch is encoded here, in the caller's thread, so that a batch that cannot be
         encoded fails this call with a clear error instead of the sending thread."""
-        if self._thread is None:
-            raise RuntimeError(
-                "publisher is not started" if not self._closed else "publisher is closed"
-            )
-        if not self._thread.is_alive():
+        thread = self._thread  # read once: close() may clear it from another thread
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        if thread is None:
+            raise RuntimeError("publisher is not started")
+        if not thread.is_alive():
             raise RuntimeError(
                 "KV event publisher thread has stopped (see the log); nothing is sent"
             )
@@ -187,8 +188,10 @@ class EventPublisher:
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay is not None:
                 replay.setsockopt(zmq.LINGER, 0)
-                # A ROUTER drops what exceeds its high-water mark: let a whole buffer through.
-                replay.setsockopt(zmq.SNDHWM, self._buffer.maxlen + 2)
+                # A ROUTER silently drops what exceeds its high-water mark, and libzmq learns
+                # late that a reader drained its pipe: no mark; a replay is bounded by the
+                # buffer anyway.
+                replay.setsockopt(zmq.SNDHWM, 0)
                 replay.bind(self._replay_bind)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:

@@ -9,11 +9,12 @@ blocks may be wrong and must be dropped. It is never left silently wrong:
   longer holds is reported as :class:`ResyncNeeded`;
 * a payload that does not decode is fetched again through replay (it may have been damaged
   on the way); if the publisher's own copy is bad too, that batch is lost: resync;
-* a publisher that restarted has an empty cache and a new stream from sequence 0: when the
-  sequence goes backwards, and whenever the connection is re-established or the stream has
-  been idle a while, the subscriber asks the replay socket for the last batch it consumed
-  and compares: a different or missing batch means a restart (resync, then the new stream
-  is read from its start); batches after it are ones it missed (delivered).
+* a publisher that restarted has an empty cache and a new stream from sequence 0. Every
+  replay that continues the stream starts at the last batch consumed and compares its
+  bytes: a different or missing batch means a restart (resync, then the new stream is read
+  from its start). Such a check also runs on every (re)connection, and after the stream
+  has been idle a while, which finds a lost tail too. When a connection drops, the SUB
+  socket is replaced, so nothing the old connection left queued is taken for the new one.
 
 Bad messages (wrong frame count, bad sequence frame, undecodable payload, events of unknown
 type) are logged and counted in :attr:`EventSubscriber.stats`; the loop goes on.
@@ -88,7 +89,7 @@ class SubscriberStats:
     malformed_payloads: int = 0
     unknown_events: int = 0
     replay_failures: int = 0
-    reconnects: int = 0
+    disconnects: int = 0
     continuity_checks: int = 0
 
 
@@ -131,6 +132,15 @@ class SequenceTracker:
         if self._replay_low is not None and self._replay_low <= seq <= self._replay_high:
             return Verdict.DUPLICATE
         return Verdict.RESTART
+
+    def replaying_from(self, start: int) -> None:
+        """A replay from ``start`` begins: live messages from there up to what it delivers
+        were queued meanwhile and are duplicates (or, past a hole the replay could not
+        fill, already given up as lost)."""
+        if self._replay_low is None or start < self._replay_low:
+            self._replay_low = start
+        if self._replay_high is None:
+            self._replay_high = start - 1
 
     def consume(self, seq: int, *, replayed: bool = False) -> None:
         self.last = seq
@@ -193,30 +203,41 @@ class EventSubscriber:
         # The payload consumed at tracker.last, to tell the same stream from a new one.
         self._last_payload: bytes | None = None
         self._catch_up_pending = start_seq is not None
-        self._handshakes = 0
+        self._replay_failing = False
 
     # -- lifecycle --------------------------------------------------------------------
 
     def start(self) -> EventSubscriber:
-        if self._sub is not None:
-            return self
+        if self._sub is None:
+            self._open_sub()
+        return self
+
+    def _open_sub(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._recv_hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        # Connection events come first so that a reconnect is noticed before its messages.
-        self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        # Connection events are read before messages: a (re)connection is checked before
+        # anything it carries is believed.
+        self._monitor = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         sub.connect(self.endpoint)
         self._sub = sub
-        return self
 
-    def close(self) -> None:
+    def _close_sub(self) -> None:
         if self._sub is not None:
             self._sub.disable_monitor()
-        for sock in (self._monitor, self._sub, self._replay):
+        for sock in (self._monitor, self._sub):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._monitor = self._replay = None
+        self._sub = self._monitor = None
+
+    def close(self) -> None:
+        self._close_sub()
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
 
     async def __aenter__(self) -> EventSubscriber:
         return self.start()
@@ -231,42 +252,54 @@ class EventSubscriber:
 
     async def _iterate(self) -> AsyncIterator[Delivery]:
         self.start()
-        sub, monitor = self._sub, self._monitor
-        assert sub is not None and monitor is not None
-        poller = zmq.asyncio.Poller()
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(sub, zmq.POLLIN)
         if self._catch_up_pending and self.replay_endpoint:
             # Catch up on what was published before we connected.
             async for item in self._fill_from(self._start_seq or 0):
                 yield item
         self._catch_up_pending = False
         while True:
-            ready = dict(await poller.poll(self._idle_ms))
-            if not ready:
-                async for item in self._check_continuity(after_reconnect=False):
-                    yield item
-                continue
-            if monitor in ready:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._handshakes += 1
-                    if self._handshakes > 1:
-                        self.stats.reconnects += 1
-                        async for item in self._check_continuity(after_reconnect=True):
-                            yield item
-                continue  # poll again: connection events go before the messages after them
-            frames = await sub.recv_multipart()
-            try:
-                _topic, seq, payload = parse_frames(frames)
-            except MalformedMessage as exc:
-                self.stats.malformed_messages += 1
-                logger.warning("KV events from %s: dropped a bad message: %s", self.name, exc)
-                continue
-            async for item in self._on_live(seq, payload):
+            sub, monitor = self._sub, self._monitor
+            assert sub is not None and monitor is not None
+            poller = zmq.asyncio.Poller()
+            poller.register(monitor, zmq.POLLIN)
+            poller.register(sub, zmq.POLLIN)
+            while sub is self._sub:
+                ready = dict(await poller.poll(self._idle_ms))
+                if not ready:
+                    async for item in self._resume(strict=False):
+                        yield item
+                elif monitor in ready:
+                    async for item in self._on_connection_event(await monitor.recv_multipart()):
+                        yield item
+                else:
+                    async for item in self._on_message(await sub.recv_multipart()):
+                        yield item
+
+    async def _on_connection_event(self, frames: list[bytes]) -> AsyncIterator[Delivery]:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            # What the dead connection left queued could be mistaken for the stream of
+            # whatever answers next: start afresh; replay recovers what was really missed.
+            self.stats.disconnects += 1
+            logger.info("KV events from %s: connection lost", self.name)
+            self._close_sub()
+            self._open_sub()
+            # The replay connection most likely broke too; a fresh one asks at once rather
+            # than after the old one's reconnect back-off.
+            if self._replay is not None:
+                self._replay.close(linger=0)
+                self._replay = None
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            async for item in self._resume(strict=True):
                 yield item
 
-    async def _on_live(self, seq: int, payload: bytes) -> AsyncIterator[Delivery]:
+    async def _on_message(self, frames: list[bytes]) -> AsyncIterator[Delivery]:
+        try:
+            _topic, seq, payload = parse_frames(frames)
+        except MalformedMessage as exc:
+            self.stats.malformed_messages += 1
+            logger.warning("KV events from %s: dropped a bad message: %s", self.name, exc)
+            return
         tracker = self.tracker
         verdict = tracker.classify(seq, live=True)
         if verdict is Verdict.DUPLICATE:
@@ -292,9 +325,8 @@ class EventSubscriber:
                 tracker.expected,
                 seq,
             )
-        if self.replay_endpoint and tracker.expected is not None:
-            async for item in self._fill_from(tracker.expected):
-                yield item
+        async for item in self._resume(strict=False):
+            yield item
         # Whatever the replay did not cover is lost; a duplicate now means it was covered.
         async for item in self._accept(seq, payload, replayed=False, known_bad=known_bad):
             yield item
@@ -321,7 +353,7 @@ class EventSubscriber:
         batch = None if known_bad else self._decode(seq, payload)
         if batch is None:
             tracker.consume(seq, replayed=replayed)
-            self._last_payload = payload
+            self._last_payload = None  # its true bytes are unknown: nothing to compare with
             yield self._resync(
                 f"batch {seq} cannot be decoded and no good copy of it could be fetched", seq, seq
             )
@@ -329,45 +361,61 @@ class EventSubscriber:
         yield self._deliver(seq, payload, batch, replayed=replayed)
 
     async def _fill_from(self, start: int) -> AsyncIterator[Delivery]:
-        """Deliver what the replay buffer holds from ``start`` on."""
+        """Deliver what the replay buffer holds from ``start`` on, with nothing to check it
+        against (the stream's beginning, or the point a caller asked to start from)."""
+        self.tracker.replaying_from(start)
         messages = await self._fetch_replay(start)
         for seq, payload in messages or ():
             async for item in self._accept(seq, payload, replayed=True):
                 yield item
 
-    async def _check_continuity(self, *, after_reconnect: bool) -> AsyncIterator[Delivery]:
-        """Is the publisher still the stream we consumed up to ``tracker.last``?"""
+    async def _resume(self, *, strict: bool) -> AsyncIterator[Delivery]:
+        """Bring the subscriber up to date from the replay buffer, first making sure that
+        the publisher is still the stream consumed so far: the replay starts at the last
+        batch consumed, whose bytes must be the ones consumed.
+
+        ``strict``: after a (re)connection, where not being able to check is itself a
+        reason to resync; otherwise (a gap, an idle stream) the caller copes with a failure.
+        """
         last = self.tracker.last
-        if last is None or last < 0:
+        if last is None:
             return  # nothing consumed yet: nothing to be wrong about
+        if last < 0:  # a new stream (started, or restarted): all of it, from 0
+            if self.replay_endpoint:
+                async for item in self._fill_from(0):
+                    yield item
+            return
         if not self.replay_endpoint:
-            if after_reconnect:
+            if strict:
                 yield self._resync(
-                    "the connection to the publisher was re-established and, with no replay "
-                    "endpoint, what happened meanwhile cannot be checked"
+                    "connected to the publisher again and, with no replay endpoint, what "
+                    "happened meanwhile cannot be checked"
                 )
             return
         self.stats.continuity_checks += 1
+        self.tracker.replaying_from(last + 1)
         messages = await self._fetch_replay(last)
         if messages is None:
-            if after_reconnect:
-                yield self._resync("the publisher reconnected but did not answer a replay request")
+            # A connection event that came meanwhile (the publisher went away again) makes
+            # this check moot: the next handshake runs its own.
+            if strict and not await self._monitor_pending():
+                yield self._resync("connected to the publisher again, but it answers no replay")
             return
         head = messages[0] if messages else None
         if head is not None and head[0] == last:
             if self._last_payload is None or head[1] == self._last_payload:
-                for seq, payload in messages[1:]:  # the tail we had missed, if any
+                for seq, payload in messages[1:]:  # what came after, missed or not yet read
                     async for item in self._accept(seq, payload, replayed=True):
                         yield item
                 return
         elif head is not None and head[0] > last:
             # The buffer moved past our position: same stream or not, it cannot be told.
+            lost = (last + 1, head[0] - 1) if head[0] > last + 1 else (None, None)
             yield self._resync(
-                f"cannot check the stream: the replay buffer no longer holds batch {last}",
-                last + 1,
-                head[0] - 1,
+                f"cannot check the stream: the replay buffer no longer holds batch {last}", *lost
             )
             self.tracker.consume(head[0] - 1, replayed=True)
+            self._last_payload = None
             for seq, payload in messages:
                 async for item in self._accept(seq, payload, replayed=True):
                     yield item
@@ -392,11 +440,14 @@ class EventSubscriber:
             while True:
                 if not await sock.poll(self._replay_timeout_ms):
                     self.stats.replay_failures += 1
-                    logger.warning(
+                    # Said once while it lasts: a worker that is down is the health check's news.
+                    log = logger.debug if self._replay_failing else logger.warning
+                    log(
                         "KV events from %s: no replay answer from %s",
                         self.name,
                         self.replay_endpoint,
                     )
+                    self._replay_failing = True
                     return None
                 frames = await sock.recv_multipart()
                 if frames and not frames[0]:
@@ -413,12 +464,17 @@ class EventSubscriber:
                     return None
                 if seq == END_OF_REPLAY:
                     finished = True
+                    self._replay_failing = False
                     return messages
                 messages.append((seq, frames[1]))
         finally:
             if not finished and self._replay is sock:
                 sock.close(linger=0)
                 self._replay = None
+
+    async def _monitor_pending(self) -> bool:
+        monitor = self._monitor
+        return monitor is not None and bool(await monitor.poll(0))
 
     def _replay_socket(self) -> zmq.asyncio.Socket:
         if self._replay is None:
