@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgspec
 import pytest
@@ -15,6 +16,7 @@ from kvpool.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    EventPublisher,
     EventSubscriber,
     UnknownEvent,
     decode_batch,
@@ -431,10 +433,6 @@ async def test_a_replay_abandoned_midway_does_not_poison_the_next_one(collect) -
 
 
 def test_a_closed_publisher_cannot_be_restarted_and_failed_starts_leak_nothing() -> None:
-    import os
-
-    from kvpool.kv_events import EventPublisher
-
     pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*").start()
     pub.close()
     with pytest.raises(RuntimeError, match="closed"):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import zmq
@@ -233,11 +233,14 @@ class EventSubscriber:
                 sock.close(linger=0)
         self._sub = self._monitor = None
 
-    def close(self) -> None:
-        self._close_sub()
+    def _drop_replay_socket(self) -> None:
         if self._replay is not None:
             self._replay.close(linger=0)
             self._replay = None
+
+    def close(self) -> None:
+        self._close_sub()
+        self._drop_replay_socket()
 
     async def __aenter__(self) -> EventSubscriber:
         return self.start()
@@ -286,9 +289,7 @@ class EventSubscriber:
             self._open_sub()
             # The replay connection most likely broke too; a fresh one asks at once rather
             # than after the old one's reconnect back-off.
-            if self._replay is not None:
-                self._replay.close(linger=0)
-                self._replay = None
+            self._drop_replay_socket()
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             async for item in self._resume(strict=True):
                 yield item
@@ -364,8 +365,13 @@ class EventSubscriber:
         """Deliver what the replay buffer holds from ``start`` on, with nothing to check it
         against (the stream's beginning, or the point a caller asked to start from)."""
         self.tracker.replaying_from(start)
-        messages = await self._fetch_replay(start)
-        for seq, payload in messages or ():
+        async for item in self._accept_replayed(await self._fetch_replay(start) or ()):
+            yield item
+
+    async def _accept_replayed(
+        self, messages: Iterable[tuple[int, bytes]]
+    ) -> AsyncIterator[Delivery]:
+        for seq, payload in messages:
             async for item in self._accept(seq, payload, replayed=True):
                 yield item
 
@@ -404,9 +410,9 @@ class EventSubscriber:
         head = messages[0] if messages else None
         if head is not None and head[0] == last:
             if self._last_payload is None or head[1] == self._last_payload:
-                for seq, payload in messages[1:]:  # what came after, missed or not yet read
-                    async for item in self._accept(seq, payload, replayed=True):
-                        yield item
+                # What came after: missed, or not read yet.
+                async for item in self._accept_replayed(messages[1:]):
+                    yield item
                 return
         elif head is not None and head[0] > last:
             # The buffer moved past our position: same stream or not, it cannot be told.
@@ -416,9 +422,8 @@ class EventSubscriber:
             )
             self.tracker.consume(head[0] - 1, replayed=True)
             self._last_payload = None
-            for seq, payload in messages:
-                async for item in self._accept(seq, payload, replayed=True):
-                    yield item
+            async for item in self._accept_replayed(messages):
+                yield item
             return
         newest = messages[-1][0] if messages else "nothing"
         self._restart()
@@ -469,8 +474,7 @@ class EventSubscriber:
                 messages.append((seq, frames[1]))
         finally:
             if not finished and self._replay is sock:
-                sock.close(linger=0)
-                self._replay = None
+                self._drop_replay_socket()
 
     async def _monitor_pending(self) -> bool:
         monitor = self._monitor
