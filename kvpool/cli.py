@@ -2,13 +2,19 @@
 
 * ``kvpool hash``: block keys of a token list, to check that a worker (ours or vLLM) and
   the router agree on block size and seed;
-* ``kvpool events listen``: follow a worker's KV event stream as JSON lines.
+* ``kvpool events listen``: follow a worker's KV event stream as JSON lines;
+* ``kvpool worker ...``: the inference worker's commands (``kvpool[worker]``).
+
+A component's commands live in that component (``kvpool.worker.cli``): the core only
+names the module and imports it when its command is run, so ``kvpool hash`` needs neither
+torch nor a web framework.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
@@ -83,6 +89,33 @@ def _cmd_listen(args: argparse.Namespace) -> int:
         return 130
 
 
+#: component commands: name -> (module with ``main(argv) -> int``, extra to install, help)
+COMPONENTS = {
+    "worker": ("kvpool.worker.cli", "worker", "the inference worker: make-tiny-model, generate"),
+}
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run_component(name: str, argv: list[str]) -> int:
+    module_name, extra, _ = COMPONENTS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(
+            f"kvpool: error: `kvpool {name}` needs kvpool[{extra}] installed ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    return module.main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
@@ -106,17 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-seq", type=int, default=None, help="replay from this sequence first")
     p.add_argument("--count", type=int, default=0, help="stop after this many lines (0: never)")
     p.set_defaults(func=_cmd_listen)
+
+    for name, (_, _, text) in COMPONENTS.items():
+        # Listed for --help; `main` hands these commands to the component before parsing.
+        sub.add_parser(name, help=f"{text} (kvpool {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMPONENTS:
+        return _run_component(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.verbose)
     try:
         return args.func(args)
     except ValueError as exc:  # bad settings, named precisely by the code that found them

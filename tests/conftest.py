@@ -179,3 +179,67 @@ def lossy_proxy() -> Iterator[Callable[..., LossyProxy]]:
     yield make
     for p in proxies:
         p.close()
+
+
+# -- worker models ---------------------------------------------------------------------------
+# Small enough that the whole worker suite runs in seconds on 2 cores; GQA (4 heads over 2
+# KV heads) so the grouped path is what gets compared with Hugging Face.
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
+
+
+def build_hf_model(model_dir: Path, architecture: str = "llama", **overrides: Any) -> Path:
+    """A random model built with transformers' own config and model classes, saved with
+    ``save_pretrained``, plus the in-process trained tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from kvpool.worker.tiny import write_tokenizer
+
+    hf_logging.disable_progress_bar()
+    tokenizer = write_tokenizer(model_dir)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[architecture]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{**TINY_SHAPE, **overrides},
+    )
+    torch.manual_seed(1234)
+    model = model_cls(config)
+    with torch.no_grad():  # spread the weights so greedy choices are clear-cut
+        for param in model.parameters():
+            param.normal_(0.0, 0.1 if param.dim() > 1 else 0.5)
+    model.save_pretrained(str(model_dir))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf_model(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def engine_factory(llama_dir: Path) -> Callable[..., Any]:
+    """New engines over one loaded model (each with its own KV cache and pool)."""
+    from kvpool.worker.engine import EngineConfig, LLMEngine
+    from kvpool.worker.loader import load_model, load_tokenizer
+
+    model = load_model(llama_dir, dtype="float32")
+    tokenizer = load_tokenizer(llama_dir)
+
+    def make(event_sink: Any = None, **config: Any) -> LLMEngine:
+        config.setdefault("num_blocks", 128)
+        return LLMEngine(model, tokenizer, EngineConfig(device="cpu", **config), event_sink)
+
+    return make

@@ -1,0 +1,145 @@
+"""Our Llama implementation against Hugging Face's, through our loader and paged cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.worker.attention import AttentionMetadata, paged_attention, reference_attention
+from kvpool.worker.engine import EngineConfig, LLMEngine
+from kvpool.worker.loader import load_model, load_tokenizer
+from kvpool.worker.model_runner import ModelRunner
+from kvpool.worker.scheduler import ScheduledBatch
+from kvpool.worker.sequence import SamplingParams, Sequence
+
+from conftest import build_hf_model
+
+PROMPTS = [
+    "A router in front of a pool of inference workers",
+    "Each worker keeps its cache in fixed-size blocks.",
+    "GPU, CPU, KV, TTFT, p99; questions end with a mark?",
+    "x",
+]
+
+VARIANTS = {
+    "llama-gqa": ("llama", {}),
+    "llama3-rope-tied": (
+        "llama",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
+    "llama-attention-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2-bias": ("qwen2", {}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant_dir(request, tmp_path_factory) -> Path:
+    architecture, overrides = VARIANTS[request.param]
+    return build_hf_model(tmp_path_factory.mktemp(request.param), architecture, **overrides)
+
+
+def _hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prompt_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """All-position logits of one prompt through our runner and paged cache."""
+    runner = ModelRunner(model, num_blocks=64, block_size=16)
+    seq = Sequence("r", list(token_ids), len(token_ids), SamplingParams(), None)  # type: ignore[arg-type]
+    seq.block_ids = list(range(-(-len(token_ids) // 16)))
+    meta = AttentionMetadata.build([len(token_ids)], [len(token_ids)], [seq.block_ids], 16, "cpu")
+    hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), runner.kv_cache, meta)
+    return model.compute_logits(hidden)
+
+
+def test_prompt_logits_match_hugging_face(variant_dir: Path) -> None:
+    ours = load_model(variant_dir, dtype="float32")
+    hf = _hf(variant_dir)
+    tokenizer = load_tokenizer(variant_dir)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        expected = hf(torch.tensor([ids])).logits[0]
+        got = _prompt_logits(ours, ids)
+        assert (got - expected).abs().max().item() < 1e-4, prompt
+
+
+def test_greedy_generation_matches_hugging_face(variant_dir: Path) -> None:
+    engine = LLMEngine.from_pretrained(variant_dir, EngineConfig(num_blocks=64, device="cpu"))
+    hf = _hf(variant_dir)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    for done in engine.generate(PROMPTS, params):
+        ids = torch.tensor([done.prompt_token_ids])
+        expected = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
+        assert done.token_ids == expected.tolist()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(0, 40)),  # (new tokens, earlier context)
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_equals_the_plain_definition(rows, seed) -> None:
+    """Ragged batches mixing decode rows, fresh prefills and chunks on top of cached context,
+    with blocks scattered over the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 8, 4, 128
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    query_lens, seq_lens, tables = [], [], []
+    for q, ctx in rows:
+        total = q + ctx
+        n_blocks = -(-total // block_size)
+        tables.append([order.pop() for _ in range(n_blocks)])
+        query_lens.append(q)
+        seq_lens.append(total)
+        # earlier context already in the cache
+        slots = [tables[-1][i // block_size] * block_size + i % block_size for i in range(ctx)]
+        if slots:
+            k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
+                len(slots), kv_heads, head_dim, generator=gen
+            )
+            v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
+                len(slots), kv_heads, head_dim, generator=gen
+            )
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
+    t = sum(query_lens)
+    q = torch.randn(t, heads, head_dim, generator=gen)
+    k = torch.randn(t, kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, kv_heads, head_dim, generator=gen)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    expected = reference_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_returns_logits_only_for_sequences_due_a_token(llama_dir: Path) -> None:
+    model = load_model(llama_dir)
+    runner = ModelRunner(model, num_blocks=16, block_size=16)
+    whole = Sequence("a", list(range(5, 25)), 20, SamplingParams(), None)  # type: ignore[arg-type]
+    chunk = Sequence("b", list(range(5, 45)), 40, SamplingParams(), None)  # type: ignore[arg-type]
+    whole.block_ids, chunk.block_ids = [0, 1], [2, 3, 4]
+    logits, sampled = runner.execute(ScheduledBatch([whole, chunk], [20, 16]))
+    assert sampled == [0]  # the chunked prompt has 24 tokens to go
+    assert logits.shape == (1, model.config.vocab_size)

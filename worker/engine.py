@@ -1,0 +1,428 @@
+"""The engine: requests in, tokens out, one scheduled batch per :meth:`LLMEngine.step`.
+
+It owns the scheduler, the block pool, the model runner, the sampler and the detokenizer,
+and nothing else: the HTTP server drives ``step`` from its own thread and talks to it
+through :meth:`add_request`, :meth:`abort` and each request's :class:`RequestStream`.
+Those three are safe to call from any thread; a step and a call never interleave.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher
+from kvpool.kv_events import KVCacheEvent
+
+from .block_pool import BlockPool
+from .detokenizer import Detokenizer, DetokenizerState
+from .loader import load_model, load_tokenizer, resolve_dtype
+from .model import LlamaModel
+from .model_runner import ModelRunner, blocks_for_memory
+from .sampler import sample
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import SamplingParams
+from .sequence import Sequence as Seq
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[list[KVCacheEvent]], None]
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    hash_seed: str = DEFAULT_HASH_SEED
+    num_blocks: int | None = None  # None: from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float | None = None  # None: 0.9 of a GPU's free memory, 0.1 of RAM
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's, capped by the cache's capacity
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str = "auto"  # auto: cuda when a GPU is present
+    seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request (``finished`` marks the last)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A whole finished request, as :meth:`LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprob]
+    num_cached_tokens: int
+
+
+class RequestStream:
+    """One request's outputs, in order; iterate to get them until the last."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.finished = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        output = self._queue.get(timeout=timeout)
+        self.finished = output.finished
+        return output
+
+    def get_nowait(self) -> RequestOutput | None:
+        try:
+            return self.get(timeout=0)
+        except queue.Empty:
+            return None
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks held by requests
+    num_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were cached
+    preemptions: int
+    prompt_tokens: int  # prompt tokens of admitted requests
+    generation_tokens: int
+    steps: int
+
+
+@dataclass
+class _Request:
+    seq: Seq
+    stream: RequestStream
+    detok: DetokenizerState = field(default_factory=DetokenizerState)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Any | None,
+        config: EngineConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.event_sink = event_sink
+        self.hasher = BlockHasher(block_size=config.block_size, hash_seed=config.hash_seed)
+        param = next(model.parameters())
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            fraction = config.kv_cache_memory_fraction
+            if fraction is None:
+                fraction = 0.9 if param.device.type == "cuda" else 0.1
+            num_blocks = blocks_for_memory(
+                model, config.block_size, param.dtype, param.device, fraction
+            )
+        if num_blocks < 1:
+            raise ValueError("the KV cache has room for no block: give num_blocks or more memory")
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.pool
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        capacity = num_blocks * config.block_size
+        self.max_model_len = min(model.config.max_position, capacity)
+        if config.max_model_len is not None:
+            if config.max_model_len > self.max_model_len:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} exceeds what fits: the model's "
+                    f"{model.config.max_position} positions, the cache's {capacity} tokens"
+                )
+            self.max_model_len = config.max_model_len
+        self.eos_token_ids = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._generator = torch.Generator(device=param.device).manual_seed(config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.RLock()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> LLMEngine:
+        config = config or EngineConfig()
+        device = config.resolved_device()
+        model = load_model(model_dir, dtype=config.dtype, device=device)
+        tokenizer = load_tokenizer(model_dir)
+        log.info(
+            "loaded %s (%s) on %s as %s",
+            model_dir,
+            model.config.architecture,
+            device,
+            resolve_dtype(config.dtype, model.config, device),
+        )
+        return cls(model, tokenizer, config, event_sink)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        params = params or SamplingParams()
+        token_ids = self._prompt_tokens_of(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is "
+                f"{self.max_model_len}, so at most {self.max_model_len - 1} leave room for output"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        chain = self.hasher.chain(lora_name=lora_name, cache_salt=cache_salt)
+        chain.extend(token_ids)
+        seq = Seq(request_id, list(token_ids), len(token_ids), params, chain)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        stream = RequestStream(request_id)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._requests[request_id] = _Request(seq, stream)
+            self.scheduler.add(seq)
+        return stream
+
+    def _prompt_tokens_of(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give token ids")
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = list(prompt)
+            vocab = self.model.config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        return token_ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. ``False`` if it is unknown or done."""
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                return False
+            self.scheduler.finish(request.seq)
+            request.seq.finish_reason = "abort"
+            request.stream.put(self._output(request, [], [], ""))
+            return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (reported as ``AllBlocksCleared``). ``False`` while
+        requests run."""
+        with self._lock:
+            done = self.pool.reset_prefix_cache()
+            self._flush_events()
+            return done
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report. Returns this step's outputs
+        (also put on each request's stream)."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if not batch:
+                self._flush_events()
+                return []
+            self._steps += 1
+            logits, sampled = self.runner.execute(batch)
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.num_computed_tokens += n
+                if self.config.enable_prefix_caching:
+                    self._cache_full_blocks(seq)
+            outputs: list[RequestOutput] = []
+            if sampled:
+                seqs = [batch.seqs[i] for i in sampled]
+                result = sample(
+                    logits,
+                    [s.params for s in seqs],
+                    [s.generator for s in seqs],
+                    self._generator,
+                )
+                for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
+                    outputs.append(self._advance(seq, token, lp))
+            self._flush_events()
+            return outputs
+
+    def _cache_full_blocks(self, seq: Seq) -> None:
+        size = self.pool.block_size
+        full = seq.num_computed_tokens // size
+        start = seq.num_cached_blocks
+        if full <= start:
+            return
+        digests = seq.hash_chain.digests
+        self.pool.cache_blocks(
+            seq.block_ids[start:full],
+            digests[start:full],
+            [seq.token_ids[j * size : (j + 1) * size] for j in range(start, full)],
+            digests[start - 1] if start else None,
+        )
+        seq.num_cached_blocks = full
+
+    def _advance(
+        self, seq: Seq, token: int, lp: tuple[float, list[tuple[int, float]]] | None
+    ) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        seq.append_token(token)
+        self._generation_tokens += 1
+        params = seq.params
+        n_out = seq.num_output_tokens
+        may_stop = n_out >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        if self.detokenizer is not None:
+            hit = self.detokenizer.update(seq, request.detok)
+            if hit is not None and may_stop and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", hit
+        if seq.finish_reason is None and (
+            n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+        text = self.detokenizer.take_delta(seq, request.detok) if self.detokenizer else ""
+        logprobs = [] if lp is None else [TokenLogprob(token, lp[0], lp[1])]
+        output = self._output(request, [token], logprobs, text)
+        request.stream.put(output)
+        return output
+
+    @staticmethod
+    def _output(
+        request: _Request, token_ids: list[int], logprobs: list[TokenLogprob], text: str
+    ) -> RequestOutput:
+        seq = request.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events and self.event_sink is not None:
+            self.event_sink(events)
+
+    # -- conveniences --------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler.stats
+            return EngineStats(
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_usage=self.pool.usage,
+                num_blocks=self.pool.num_blocks,
+                prefix_cache_queries=s.prefix_cache_queries,
+                prefix_cache_hits=s.prefix_cache_hits,
+                preemptions=s.preemptions,
+                prompt_tokens=self._prompt_tokens,
+                generation_tokens=self._generation_tokens,
+                steps=self._steps,
+            )
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion (all admitted together, batched by the scheduler)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        streams = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        prompt_ids = [self._requests[s.request_id].seq.token_ids[:] for s in streams]
+        while self.has_unfinished():
+            self.step()
+        results = []
+        for stream, ids in zip(streams, prompt_ids, strict=True):
+            outputs = list(stream)
+            last = outputs[-1]
+            results.append(
+                Completion(
+                    request_id=stream.request_id,
+                    prompt_token_ids=ids,
+                    token_ids=[t for o in outputs for t in o.new_token_ids],
+                    text="".join(o.new_text for o in outputs),
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                    logprobs=[lp for o in outputs for lp in o.logprobs],
+                    num_cached_tokens=last.num_cached_tokens,
+                )
+            )
+        return results

@@ -1,0 +1,212 @@
+"""The Llama architecture over a flat ragged batch (no padding) and a paged KV cache.
+
+Llama 2/3, Mistral and Qwen2/2.5 share this code: RMSNorm, rotary position embeddings
+(default, linear or llama3 scaling), grouped-query attention with optional biases, a
+SwiGLU MLP and optionally tied embeddings. The projections for q/k/v and for gate/up are
+fused into one matrix each, so a layer is four matrix products; :meth:`LlamaModel.weight_map`
+tells the loader which slice of which parameter each checkpoint tensor fills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, computed once; rotate-half layout as in HF."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv = config.rope.inv_freq(config.head_dim)
+        freqs = torch.outer(torch.arange(config.max_position, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        cache = kv_cache[self.layer]
+        out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class TensorTarget:
+    """Where one checkpoint tensor goes: a parameter and the rows it fills."""
+
+    param: str
+    rows: slice | None
+    shape: tuple[int, ...]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def weight_map(self) -> dict[str, TensorTarget]:
+        """Every tensor a Hugging Face checkpoint of this config must hold."""
+        c = self.config
+        q, kv, h, inter = (
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.hidden_size,
+            (c.intermediate_size),
+        )
+        out: dict[str, TensorTarget] = {
+            "model.embed_tokens.weight": TensorTarget(
+                "embed_tokens.weight", None, (c.vocab_size, h)
+            ),
+            "model.norm.weight": TensorTarget("norm.weight", None, (h,)),
+        }
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = TensorTarget("lm_head.weight", None, (c.vocab_size, h))
+        parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        for i in range(c.num_layers):
+            src, dst = f"model.layers.{i}", f"layers.{i}"
+            for name, rows in parts.items():
+                n = rows.stop - rows.start
+                out[f"{src}.self_attn.{name}_proj.weight"] = TensorTarget(
+                    f"{dst}.self_attn.qkv_proj.weight", rows, (n, h)
+                )
+                if c.qkv_bias:
+                    out[f"{src}.self_attn.{name}_proj.bias"] = TensorTarget(
+                        f"{dst}.self_attn.qkv_proj.bias", rows, (n,)
+                    )
+            out[f"{src}.self_attn.o_proj.weight"] = TensorTarget(
+                f"{dst}.self_attn.o_proj.weight", None, (h, q)
+            )
+            if c.o_bias:
+                out[f"{src}.self_attn.o_proj.bias"] = TensorTarget(
+                    f"{dst}.self_attn.o_proj.bias", None, (h,)
+                )
+            for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
+                out[f"{src}.mlp.{name}_proj.weight"] = TensorTarget(
+                    f"{dst}.mlp.gate_up_proj.weight", rows, (inter, h)
+                )
+                if c.mlp_bias:
+                    out[f"{src}.mlp.{name}_proj.bias"] = TensorTarget(
+                        f"{dst}.mlp.gate_up_proj.bias", rows, (inter,)
+                    )
+            out[f"{src}.mlp.down_proj.weight"] = TensorTarget(
+                f"{dst}.mlp.down_proj.weight", None, (h, inter)
+            )
+            if c.mlp_bias:
+                out[f"{src}.mlp.down_proj.bias"] = TensorTarget(
+                    f"{dst}.mlp.down_proj.bias", None, (h,)
+                )
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                out[f"{src}.{norm}.weight"] = TensorTarget(f"{dst}.{norm}.weight", None, (h,))
+        return out

@@ -1,0 +1,83 @@
+"""Pick the next token of every sampled sequence from its logits, in one batch.
+
+Greedy rows take the arg-max. Other rows apply temperature, then top-k, then top-p, and
+draw with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which is an exact
+sample from ``p``. A row with a seed draws its noise from its own generator, so its tokens
+do not depend on what else shares the batch. Log-probabilities are those of the model's
+own distribution (before temperature and truncation), as OpenAI and vLLM report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (chosen token's logprob, [(token id, logprob)] top-n) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> SampleResult:
+    logits = logits.float()
+    rows = logits.shape[0]
+    chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        chosen[idx] = logits[idx].argmax(-1)
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub = logits[idx]
+        temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+        sub = sub / temps[:, None]
+        sub = _top_k_top_p(sub, [params[i] for i in random_rows])
+        probs = torch.softmax(sub, dim=-1)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(random_rows):
+            noise[row].exponential_(generator=generators[i] or default_generator)
+        chosen[idx] = (probs / noise).argmax(-1)
+    token_ids = chosen.tolist()
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * rows
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        idx = torch.tensor(wanted, device=logits.device)
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        n = max(params[i].logprobs or 0 for i in wanted)
+        top_vals, top_ids = lp.topk(n, dim=-1) if n else (None, None)
+        picked = lp.gather(1, chosen[idx][:, None]).squeeze(1).tolist()
+        for row, i in enumerate(wanted):
+            k = params[i].logprobs or 0
+            top = []
+            if k:
+                assert top_vals is not None and top_ids is not None
+                top = list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist(), strict=True))
+            logprobs[i] = (picked[row], top)
+    return SampleResult(token_ids, logprobs)
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[-1] for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k >= logits.shape[-1] for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.tensor(top_k, device=logits.device)[:, None]
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs  # mass of the tokens ranked above this one
+    drop |= before >= torch.tensor(top_p, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

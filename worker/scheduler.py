@@ -1,0 +1,145 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Each step has a token budget (``max_num_batched_tokens``) and a cap on running requests
+(``max_num_seqs``). Running requests go first, one token each when decoding and a chunk
+of the remaining prompt when a long prefill is still under way; waiting requests are then
+admitted in arrival order (FCFS: one that does not fit blocks those behind it), each
+taking its cached prefix from the block pool first.
+
+When a running request needs a block and none is free, the newest running request is
+preempted: its blocks go back to the pool (its full blocks stay cached, so it usually
+finds them again) and it returns to the head of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_pool import BlockPool
+from .sequence import Sequence, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # new tokens per sequence
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which found cached
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        size = self.pool.block_size
+        return max(0, -(-(seq.num_computed_tokens + n) // size) - len(seq.block_ids))
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._blocks_needed(seq, n)
+            while need > self.pool.num_free:
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            seq.block_ids.extend(self.pool.allocate(need))
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
+        if batch.preempted:
+            return batch  # memory is short: admit nobody new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached: list[int] = []
+            if not seq.block_ids:
+                # The last prompt token is always computed, so that there are logits to sample.
+                limit = (seq.num_tokens - 1) // self.pool.block_size
+                cached = self.pool.lookup(seq.hash_chain.digests[:limit])
+            evictable_hits = sum(self.pool.blocks[b].ref_count == 0 for b in cached)
+            computed = len(cached) * self.pool.block_size
+            n = min(seq.num_tokens - computed, budget)
+            need = -(-(computed + n) // self.pool.block_size) - len(cached)
+            if need > self.pool.num_free - evictable_hits:
+                break
+            self.waiting.popleft()
+            self.pool.touch(cached)
+            seq.block_ids = cached + self.pool.allocate(need)
+            seq.num_computed_tokens = computed
+            seq.num_cached_blocks = len(cached)
+            seq.num_cached_tokens = computed
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted request out and free its blocks now."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,99 @@
+"""One request as the engine sees it: its tokens, how many have KV computed, its blocks,
+its sampling settings, and its place in the queue."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.hashing import BlockHashChain
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n alternatives per generated token (0: chosen only)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.temperature >= 0, "temperature", "must not be negative"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.min_tokens >= 0, "min_tokens", "must not be negative"),
+            (self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must not be negative"),
+            (all(s for s in self.stop), "stop", "must not contain an empty string"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    hash_chain: BlockHashChain
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already given their hash in the pool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    output_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.hash_chain.extend((token_id,))
