@@ -1,0 +1,245 @@
+"""The engine end to end on the tiny model: batching, chunking, prefix caching, preemption,
+aborts, sampling and stopping, and the events it reports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_block_pool import replay
+
+from kvpool.hashing import block_key
+from kvpool.worker.engine import EngineConfig, LLMEngine
+from kvpool.worker.sequence import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def ragged_prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 90))] for _ in range(n)]
+
+
+def tokens(engine: LLMEngine, prompts, params=GREEDY) -> list[list[int]]:
+    return [done.token_ids for done in engine.generate(prompts, params)]
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_ragged_batch_of_16(engine_factory) -> None:
+    prompts = ragged_prompts(16)
+    engine = engine_factory(num_blocks=256)
+    alone = [tokens(engine, [p])[0] for p in prompts]
+    together = tokens(engine_factory(num_blocks=256), prompts)
+    assert together == alone
+
+
+def test_chunked_prefill_gives_the_same_tokens_as_one_pass(engine_factory) -> None:
+    prompts = ragged_prompts(6, seed=1)
+    whole = tokens(engine_factory(max_num_batched_tokens=4096), prompts)
+    chunked_engine = engine_factory(max_num_batched_tokens=7)
+    chunked = tokens(chunked_engine, prompts)
+    assert chunked == whole
+    assert chunked_engine.stats.steps > len(whole[0]) + 80 // 7  # prompts really were split
+
+
+def test_a_prefix_cache_hit_gives_the_same_tokens_and_is_counted(engine_factory) -> None:
+    prefix = ragged_prompts(1, seed=2)[0] * 2  # long enough for several blocks
+    question = [11, 12, 13]
+    cold = engine_factory()
+    (expected,) = tokens(cold, [[*prefix, *question]])
+    engine = engine_factory()
+    tokens(engine, [[*prefix, 99, 98]])  # warms the cache with the shared prefix
+    before = engine.stats
+    (done,) = engine.generate([[*prefix, *question]], GREEDY)
+    after = engine.stats
+    assert done.token_ids == expected
+    cached = len(prefix) // 16 * 16
+    assert done.num_cached_tokens == cached > 0
+    assert after.prefix_cache_hits - before.prefix_cache_hits == cached
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(prefix) + 3
+
+
+def test_the_last_prompt_token_is_recomputed_even_when_every_block_is_cached(
+    engine_factory,
+) -> None:
+    prompt = list(range(10, 42))  # exactly two blocks
+    engine = engine_factory()
+    (first,) = tokens(engine, [prompt])
+    (done,) = engine.generate([prompt], GREEDY)
+    assert done.token_ids == first
+    assert done.num_cached_tokens == 16  # not 32: the last block holds the token to recompute
+
+
+def test_a_pool_barely_larger_than_one_request_preempts_and_still_agrees(engine_factory) -> None:
+    prompts = ragged_prompts(8, seed=3)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = tokens(engine_factory(num_blocks=256), prompts, params)
+    # The longest request needs ceil((90 + 40) / 16) = 9 blocks: give it 10.
+    tight = engine_factory(num_blocks=10)
+    assert tokens(tight, prompts, params) == expected
+    assert tight.stats.preemptions > 0
+    assert tight.stats.kv_usage == 0
+    tight.pool.check()
+
+
+def test_abort_frees_the_requests_blocks_at_once(engine_factory) -> None:
+    engine = engine_factory()
+    stream = engine.add_request(list(range(3, 70)), SamplingParams(max_tokens=100))
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=100), request_id="other")
+    engine.step()
+    engine.step()
+    held = engine.stats.kv_usage
+    assert engine.abort(stream.request_id)
+    assert engine.stats.kv_usage < held
+    assert engine.stats.num_running == 1
+    outputs = list(stream)
+    assert outputs[-1].finish_reason == "abort"
+    assert not engine.abort(stream.request_id)  # already gone
+    assert engine.abort("other") and engine.stats.kv_usage == 0
+
+
+def test_a_waiting_request_can_be_aborted(engine_factory) -> None:
+    engine = engine_factory(max_num_seqs=1)
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=5))
+    waiting = engine.add_request([7, 8, 9], SamplingParams(max_tokens=5))
+    engine.step()
+    assert engine.stats.num_waiting == 1
+    assert engine.abort(waiting.request_id)
+    assert engine.stats.num_waiting == 0
+
+
+def test_a_seed_makes_sampling_reproducible_whatever_shares_the_batch(engine_factory) -> None:
+    prompt = [20, 21, 22, 23]
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    alone = engine_factory().generate([prompt], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=1.0)
+    engine = engine_factory(seed=123)
+    mixed = engine.generate([[5, 6], prompt, [7, 8, 9]], [others, seeded, others])
+    assert mixed[1].token_ids == alone
+    other_seed = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=8)
+    assert engine_factory().generate([prompt], other_seed)[0].token_ids != alone
+
+
+def test_top_k_one_and_a_tiny_top_p_are_greedy(engine_factory) -> None:
+    prompts = ragged_prompts(3, seed=4)
+    greedy = tokens(engine_factory(), prompts)
+    for params in (
+        SamplingParams(max_tokens=24, temperature=1.5, top_k=1, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, top_p=1e-6, ignore_eos=True),
+    ):
+        assert tokens(engine_factory(), prompts, params) == greedy
+
+
+def test_logprobs_report_the_chosen_token_and_the_top_n(engine_factory) -> None:
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
+    (done,) = engine_factory().generate([[30, 31, 32]], params)
+    assert len(done.logprobs) == 5
+    for token, lp in zip(done.token_ids, done.logprobs, strict=True):
+        assert lp.token_id == token
+        assert len(lp.top) == 3
+        assert lp.top[0] == (token, pytest.approx(lp.logprob))  # greedy picks the top one
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.logprob <= 0
+
+
+def test_stop_token_ids_and_max_tokens_end_a_request(engine_factory) -> None:
+    engine = engine_factory()
+    (free,) = engine.generate([[40, 41, 42]], GREEDY)
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    (done,) = engine.generate(
+        [[40, 41, 42]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_at])
+    )
+    assert done.token_ids == free.token_ids[: first + 1]
+    assert (done.finish_reason, done.stop_reason) == ("stop", stop_at)
+    short = engine.generate([[40, 41, 42]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+
+
+def test_a_stop_string_truncates_the_text_and_is_never_streamed(engine_factory) -> None:
+    engine = engine_factory()
+    (free,) = engine.generate(["A router in front"], GREEDY)
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and stop in text
+    params = SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True)
+    stream = engine.add_request("A router in front", params)
+    while engine.has_unfinished():
+        engine.step()
+    outputs = list(stream)
+    streamed = "".join(o.new_text for o in outputs)
+    assert streamed == text[: text.index(stop)]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", stop)
+    assert stop not in streamed
+
+
+def test_the_end_of_sequence_token_stops_unless_ignored(engine_factory) -> None:
+    engine = engine_factory()
+    prompt = [50, 51, 52]
+    (probe,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    # Let the model's first greedy token count as end of sequence, as a checkpoint's
+    # generation_config.json with several eos ids would.
+    engine.eos_token_ids.add(probe.token_ids[0])
+    (done,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0))
+    assert (done.finish_reason, done.stop_reason, len(done.token_ids)) == ("stop", None, 1)
+    (ignored,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    )
+    assert len(ignored.token_ids) == 10
+    (at_least,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=10, temperature=0, min_tokens=4)
+    )
+    assert len(at_least.token_ids) >= 4
+
+
+def test_events_rebuild_exactly_the_cached_blocks(engine_factory) -> None:
+    batches: list[list] = []
+    engine = engine_factory(event_sink=batches.append, num_blocks=12)
+    prompts = ragged_prompts(10, seed=5)
+    tokens(engine, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    index: set[int] = set()
+    for batch in batches:
+        replay(batch, index)
+    assert index == {block_key(d) for d in engine.pool.cached_digests}
+    assert any(type(e).__name__ == "BlockRemoved" for b in batches for e in b)  # evictions
+    assert engine.reset_prefix_cache()
+    replay(batches[-1], index)
+    assert index == set()
+
+
+def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engine_factory) -> None:
+    engine = engine_factory(num_blocks=4)  # a context of 64 tokens
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        engine.add_request([1, 10**6])
+    with pytest.raises(ValueError, match="64 tokens; this model's context is 64"):
+        engine.add_request(list(range(3, 67)))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    engine.add_request([3, 4], request_id="dup")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3, 4], request_id="dup")
+    (done,) = engine.generate([list(range(3, 60))], SamplingParams(max_tokens=50))
+    assert done.finish_reason == "length"
+    assert len(done.prompt_token_ids) + len(done.token_ids) == 64  # stopped by the context
+
+
+def test_capacity_from_a_fraction_of_free_memory(engine_factory) -> None:
+    small = engine_factory(num_blocks=None, kv_cache_memory_fraction=1e-6)
+    large = engine_factory(num_blocks=None, kv_cache_memory_fraction=2e-6)
+    assert 0 < small.pool.num_blocks < large.pool.num_blocks
+    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
+        engine_factory(num_blocks=None, kv_cache_memory_fraction=1.5)
+
+
+def test_text_prompts_and_chat_templates_come_from_the_model_directory(llama_dir) -> None:
+    engine = LLMEngine.from_pretrained(llama_dir, EngineConfig(num_blocks=32, device="cpu"))
+    chat = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<|begin_of_text|><|user|>hello<|eot|><|assistant|>"
+    (done,) = engine.generate([chat], SamplingParams(max_tokens=4, temperature=0))
+    assert done.prompt_token_ids[0] == engine.tokenizer.bos_token_id
+    assert len(done.token_ids) >= 1
