@@ -38,11 +38,15 @@ pytest: install
 
 bench: install
 	$(PY) bench/hashing.py
+	$(PY) bench/engine.py
 
-# The local stack needs the worker and the router (issues 3 to 5): say so rather than fail oddly.
-run:
-	@echo "make run: the local stack with a tiny model is not built yet (worker and router come in issues 3-5)" >&2
-	@exit 1
+# Today: the engine on the tiny model, end to end (load, batch, cache, sample, detokenize).
+# It becomes the local stack (workers behind the router) when the server and router land.
+TINY_MODEL := .cache/tiny-model
+run: install
+	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/kvpool worker make-tiny-model $(TINY_MODEL)
+	$(VENV)/bin/kvpool worker generate --model $(TINY_MODEL) --max-tokens 24 \
+		"A router in front of a pool" "Each worker keeps its cache in blocks"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis *.egg-info
