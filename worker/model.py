@@ -159,54 +159,38 @@ class LlamaModel(nn.Module):
     def weight_map(self) -> dict[str, TensorTarget]:
         """Every tensor a Hugging Face checkpoint of this config must hold."""
         c = self.config
-        q, kv, h, inter = (
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.hidden_size,
-            (c.intermediate_size),
+        h, inter = c.hidden_size, c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        out: dict[str, TensorTarget] = {}
+
+        def linear(
+            src: str, dst: str, out_features: int, in_features: int, bias: bool, rows=None
+        ) -> None:
+            """A projection's weight (and bias), possibly into ``rows`` of a fused one."""
+            out[f"{src}.weight"] = TensorTarget(f"{dst}.weight", rows, (out_features, in_features))
+            if bias:
+                out[f"{src}.bias"] = TensorTarget(f"{dst}.bias", rows, (out_features,))
+
+        out["model.embed_tokens.weight"] = TensorTarget(
+            "embed_tokens.weight", None, (c.vocab_size, h)
         )
-        out: dict[str, TensorTarget] = {
-            "model.embed_tokens.weight": TensorTarget(
-                "embed_tokens.weight", None, (c.vocab_size, h)
-            ),
-            "model.norm.weight": TensorTarget("norm.weight", None, (h,)),
-        }
+        out["model.norm.weight"] = TensorTarget("norm.weight", None, (h,))
         if not c.tie_word_embeddings:
-            out["lm_head.weight"] = TensorTarget("lm_head.weight", None, (c.vocab_size, h))
-        parts = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+            linear("lm_head", "lm_head", c.vocab_size, h, False)
+        fused = {
+            "self_attn.qkv_proj": [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)],
+            "mlp.gate_up_proj": [("gate", 0, inter), ("up", inter, inter)],
+        }
         for i in range(c.num_layers):
             src, dst = f"model.layers.{i}", f"layers.{i}"
-            for name, rows in parts.items():
-                n = rows.stop - rows.start
-                out[f"{src}.self_attn.{name}_proj.weight"] = TensorTarget(
-                    f"{dst}.self_attn.qkv_proj.weight", rows, (n, h)
-                )
-                if c.qkv_bias:
-                    out[f"{src}.self_attn.{name}_proj.bias"] = TensorTarget(
-                        f"{dst}.self_attn.qkv_proj.bias", rows, (n,)
-                    )
-            out[f"{src}.self_attn.o_proj.weight"] = TensorTarget(
-                f"{dst}.self_attn.o_proj.weight", None, (h, q)
-            )
-            if c.o_bias:
-                out[f"{src}.self_attn.o_proj.bias"] = TensorTarget(
-                    f"{dst}.self_attn.o_proj.bias", None, (h,)
-                )
-            for name, rows in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter))):
-                out[f"{src}.mlp.{name}_proj.weight"] = TensorTarget(
-                    f"{dst}.mlp.gate_up_proj.weight", rows, (inter, h)
-                )
-                if c.mlp_bias:
-                    out[f"{src}.mlp.{name}_proj.bias"] = TensorTarget(
-                        f"{dst}.mlp.gate_up_proj.bias", rows, (inter,)
-                    )
-            out[f"{src}.mlp.down_proj.weight"] = TensorTarget(
-                f"{dst}.mlp.down_proj.weight", None, (h, inter)
-            )
-            if c.mlp_bias:
-                out[f"{src}.mlp.down_proj.bias"] = TensorTarget(
-                    f"{dst}.mlp.down_proj.bias", None, (h,)
-                )
+            for target, parts in fused.items():
+                bias = c.qkv_bias if target.startswith("self_attn") else c.mlp_bias
+                module = target.split(".")[0]
+                for name, start, n in parts:
+                    rows = slice(start, start + n)
+                    linear(f"{src}.{module}.{name}_proj", f"{dst}.{target}", n, h, bias, rows)
+            linear(f"{src}.self_attn.o_proj", f"{dst}.self_attn.o_proj", h, q, c.o_bias)
+            linear(f"{src}.mlp.down_proj", f"{dst}.mlp.down_proj", h, inter, c.mlp_bias)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 out[f"{src}.{norm}.weight"] = TensorTarget(f"{dst}.{norm}.weight", None, (h,))
         return out
