@@ -19,9 +19,12 @@ def digest(n: int) -> bytes:
 
 
 def replay(events: list[KVCacheEvent], index: set[int]) -> None:
-    """What a router does with the events."""
+    """What a router does with the events; like a radix-tree index, it refuses a stored
+    block whose parent it does not hold."""
     for event in events:
         if isinstance(event, BlockStored):
+            parent = event.parent_block_hash
+            assert parent is None or parent in index, f"BlockStored with unknown parent {parent}"
             index.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
             index.difference_update(event.block_hashes)
@@ -72,14 +75,19 @@ def test_block_stored_events_carry_the_chain_parent_and_tokens() -> None:
     assert second.block_size == 2
 
 
-def test_a_hash_already_cached_elsewhere_is_not_stored_twice() -> None:
+def test_a_request_that_computed_a_cached_block_again_switches_to_the_cached_one() -> None:
     pool = BlockPool(4, block_size=1)
-    a, b = pool.allocate(1), pool.allocate(1)
-    pool.cache_blocks(a, [digest(1)], [[1]], None)
-    pool.cache_blocks(b, [digest(1)], [[1]], None)
-    assert len(pool.take_events()) == 1
-    pool.free(b)
-    assert pool.blocks[b[0]].digest is None  # plain free, nothing to evict or report
+    a, b = pool.allocate(2), pool.allocate(2)
+    assert pool.cache_blocks(a, [digest(1), digest(2)], [[1], [2]], None) == a
+    # b computed the same first block, then a different second one
+    held = pool.cache_blocks(b, [digest(1), digest(3)], [[1], [3]], None)
+    assert held == [a[0], b[1]]
+    assert pool.blocks[a[0]].ref_count == 2
+    assert pool.blocks[b[0]].ref_count == 0 and pool.blocks[b[0]].digest is None
+    first, second = pool.take_events()
+    assert first.block_hashes == [block_key(digest(1)), block_key(digest(2))]
+    assert second.block_hashes == [block_key(digest(3))]
+    assert second.parent_block_hash == block_key(digest(1))  # held, so never evicted first
     pool.check()
 
 
@@ -131,7 +139,8 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             digests = [digest(self.next_hash + i) for i in range(len(blocks))]
             self.next_hash += len(blocks)
-        self.pool.cache_blocks(blocks, digests, [[0]] * len(blocks), None)
+        i = self.held.index(blocks)
+        self.held[i] = self.pool.cache_blocks(blocks, digests, [[0]] * len(blocks), None)
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())

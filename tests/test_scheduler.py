@@ -43,7 +43,7 @@ def run_step(scheduler: Scheduler, pool: BlockPool, config: SchedulerConfig) -> 
         if full > seq.num_cached_blocks:
             start = seq.num_cached_blocks
             digests = seq.hash_chain.digests
-            pool.cache_blocks(
+            seq.block_ids[start:full] = pool.cache_blocks(
                 seq.block_ids[start:full],
                 digests[start:full],
                 [seq.token_ids[j * BLOCK : (j + 1) * BLOCK] for j in range(start, full)],
@@ -85,7 +85,7 @@ def test_every_request_finishes_within_the_budget_and_caps(
     ]
     longest = max(s.num_tokens + s.params.max_tokens for s in seqs)
     pool = BlockPool(-(-longest // BLOCK) + spare_blocks, BLOCK)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=min(max_seqs, budget))
     scheduler = Scheduler(config, pool)
     done: list[Sequence] = []
     total_work = sum(s.num_tokens + s.params.max_tokens for s in seqs)
@@ -100,3 +100,10 @@ def test_every_request_finishes_within_the_budget_and_caps(
     assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
     assert pool.usage == 0
     assert scheduler.stats.prefix_cache_hits <= scheduler.stats.prefix_cache_queries
+
+
+def test_a_budget_smaller_than_the_running_cap_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 must be at least"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16)

@@ -35,7 +35,7 @@ def test_greedy_output_is_the_same_alone_and_in_a_ragged_batch_of_16(engine_fact
 def test_chunked_prefill_gives_the_same_tokens_as_one_pass(engine_factory) -> None:
     prompts = ragged_prompts(6, seed=1)
     whole = tokens(engine_factory(max_num_batched_tokens=4096), prompts)
-    chunked_engine = engine_factory(max_num_batched_tokens=7)
+    chunked_engine = engine_factory(max_num_batched_tokens=7, max_num_seqs=7)
     chunked = tokens(chunked_engine, prompts)
     assert chunked == whole
     assert chunked_engine.stats.steps > len(whole[0]) + 80 // 7  # prompts really were split
@@ -188,7 +188,8 @@ def test_the_end_of_sequence_token_stops_unless_ignored(engine_factory) -> None:
     (at_least,) = engine.generate(
         [prompt], SamplingParams(max_tokens=10, temperature=0, min_tokens=4)
     )
-    assert len(at_least.token_ids) >= 4
+    assert len(at_least.token_ids) >= 4  # the end token cannot be drawn before min_tokens
+    assert not set(at_least.token_ids[:4]) & engine.eos_token_ids
 
 
 def test_events_rebuild_exactly_the_cached_blocks(engine_factory) -> None:
@@ -243,3 +244,105 @@ def test_text_prompts_and_chat_templates_come_from_the_model_directory(llama_dir
     (done,) = engine.generate([chat], SamplingParams(max_tokens=4, temperature=0))
     assert done.prompt_token_ids[0] == engine.tokenizer.bos_token_id
     assert len(done.token_ids) >= 1
+
+
+def test_min_tokens_keeps_an_early_stop_string_in_the_text(engine_factory) -> None:
+    engine = engine_factory()
+    varied = SamplingParams(max_tokens=24, min_tokens=24, seed=3)
+    (free,) = engine.generate(["A router in front"], varied)
+    text = free.text
+    early = next(text[i : i + 3] for i in range(len(text)) if text.count(text[i : i + 3]) == 1)
+    assert text.index(early) < len(text) // 2
+    params = SamplingParams(max_tokens=24, min_tokens=24, seed=3, stop=[early])
+    (done,) = engine.generate(["A router in front"], params)
+    assert done.text == free.text  # matched too early to count, and not cut out either
+
+
+def test_a_stop_tokens_own_text_is_left_out(engine_factory) -> None:
+    engine = engine_factory()
+    (free,) = engine.generate([[60, 61, 62]], GREEDY)
+    stop_at = free.token_ids[3]
+    cut = free.token_ids.index(stop_at)
+    params = SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_at])
+    (done,) = engine.generate([[60, 61, 62]], params)
+    assert done.token_ids[-1] == stop_at
+    assert done.text == engine.tokenizer.decode(free.token_ids[:cut])
+
+
+def test_preempted_requests_are_counted_once_in_the_cache_statistics(engine_factory) -> None:
+    engine = engine_factory(num_blocks=8)
+    prompts = [list(range(3, 23)), list(range(30, 50))]
+    done = engine.generate(prompts, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    stats = engine.stats
+    assert stats.preemptions > 0
+    assert stats.prefix_cache_queries == stats.prompt_tokens == 40
+    assert all(d.num_cached_tokens <= len(d.prompt_token_ids) for d in done)
+
+
+def test_identical_prompts_computed_together_keep_the_events_consistent(engine_factory) -> None:
+    batches: list[list] = []
+    engine = engine_factory(event_sink=batches.append, num_blocks=14)
+    same = ragged_prompts(1, seed=6)[0][:40]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = engine.generate([same, same, same], params)
+    assert first[0].token_ids == first[1].token_ids == first[2].token_ids
+    tokens(engine, ragged_prompts(6, seed=7), params)  # pressure: evicts the shared blocks
+    engine.generate([same], params)
+    index: set[int] = set()
+    for batch in batches:
+        replay(batch, index)  # refuses a stored block whose parent was removed
+    assert index == {block_key(d) for d in engine.pool.cached_digests}
+    engine.pool.check()
+
+
+def test_too_many_logprobs_are_refused(engine_factory) -> None:
+    with pytest.raises(ValueError, match="logprobs=10000 exceeds the maximum of 20"):
+        engine_factory().add_request([3, 4], SamplingParams(logprobs=10_000))
+
+
+def test_a_failed_step_ends_its_requests_in_error_and_the_engine_keeps_serving(
+    engine_factory, monkeypatch
+) -> None:
+    engine = engine_factory()
+    stream = engine.add_request([3, 4, 5], SamplingParams(max_tokens=4))
+    real = engine.runner.execute
+
+    def broken(batch):
+        monkeypatch.setattr(engine.runner, "execute", real)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    assert engine.step() == []
+    assert [o.finish_reason for o in stream] == ["error"]
+    assert engine.stats.kv_usage == 0
+    (done,) = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4))
+    assert done.finish_reason == "length" and len(done.token_ids) == 4
+
+
+def test_events_a_sink_refused_are_sent_with_the_next_step(engine_factory) -> None:
+    received: list = []
+    failures = [RuntimeError("publisher busy")]
+
+    def sink(events):
+        if failures:
+            raise failures.pop()
+        received.extend(events)
+
+    engine = engine_factory(event_sink=sink)
+    engine.generate([list(range(3, 40))], SamplingParams(max_tokens=2))
+    index: set[int] = set()
+    replay(received, index)
+    assert index == {block_key(d) for d in engine.pool.cached_digests} != set()
+
+
+def test_an_abort_sends_the_text_held_back_for_a_possible_stop_string(engine_factory) -> None:
+    engine = engine_factory()
+    params = SamplingParams(max_tokens=50, temperature=0, stop=["\x00never\x00"])
+    stream = engine.add_request([70, 71, 72], params)
+    for _ in range(8):
+        engine.step()
+    engine.abort(stream.request_id)
+    outputs = list(stream)
+    token_ids = [t for o in outputs for t in o.new_token_ids]
+    assert "".join(o.new_text for o in outputs) == engine.tokenizer.decode(token_ids)
+    assert outputs[-1].new_text  # the held-back tail came with the abort

@@ -87,30 +87,42 @@ class BlockPool:
         digests: Sequence[bytes],
         token_ids: Sequence[Sequence[int]],
         parent: bytes | None,
-    ) -> None:
-        """Give full, computed blocks their hashes and report them as stored.
+    ) -> list[int]:
+        """Give full, computed blocks their hashes and report them as stored. Returns the
+        blocks the request should hold from now on.
 
-        A digest already cached by another block (two requests computed the same prefix at
-        once) leaves this block uncached: one block per hash keeps the index exact.
+        When a digest is already cached in another block (two requests computed the same
+        prefix at once), the request switches to that block and frees its own copy: one
+        block per hash keeps the index exact, and a held block cannot be evicted, so the
+        parent of every later ``BlockStored`` is a hash the index still has.
         """
-        stored: list[int] = []
+        held: list[int] = []
+        run: list[int] = []  # keys of consecutive newly stored blocks
         tokens: list[int] = []
-        first_parent = parent
+        run_parent = parent
         for block_id, digest, ids in zip(block_ids, digests, token_ids, strict=True):
             block = self.blocks[block_id]
-            if block.digest is None and digest not in self._cached:
+            existing = self._cached.get(digest)
+            if block.digest is None and existing is None:
                 block.digest = digest
                 self._cached[digest] = block_id
-                if not stored:
-                    first_parent = parent
-                stored.append(block_key(digest))
+                if not run:
+                    run_parent = parent
+                run.append(block_key(digest))
                 tokens.extend(ids)
-            elif stored:
-                self._flush_stored(stored, first_parent, tokens)
-                stored, tokens = [], []
+            else:
+                if run:
+                    self._flush_stored(run, run_parent, tokens)
+                    run, tokens = [], []
+                if block.digest is None and existing is not None:
+                    self.touch([existing])
+                    self.free([block_id])
+                    block_id = existing
+            held.append(block_id)
             parent = digest
-        if stored:
-            self._flush_stored(stored, first_parent, tokens)
+        if run:
+            self._flush_stored(run, run_parent, tokens)
+        return held
 
     def _flush_stored(self, keys: list[int], parent: bytes | None, tokens: list[int]) -> None:
         self._events.append(
@@ -177,6 +189,10 @@ class BlockPool:
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events
+
+    def requeue_events(self, events: list[KVCacheEvent]) -> None:
+        """Put back events a sink could not take, ahead of newer ones."""
+        self._events[:0] = events
 
     def check(self) -> None:
         """Assert the pool's invariants (for tests and debugging)."""

@@ -101,6 +101,7 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    sliding_window: int | None = None  # Mistral v0.1: attention limited to this many tokens
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -141,6 +142,7 @@ class ModelConfig:
             eos: Any = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             attention_bias = bool(cfg.get("attention_bias", False))
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
             return ModelConfig(
                 architecture=arch,
                 model_type=model_type,
@@ -161,6 +163,7 @@ class ModelConfig:
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+                sliding_window=int(window) if window else None,
             )
         except KeyError as exc:
             raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None

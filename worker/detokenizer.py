@@ -2,9 +2,11 @@
 
 Text is decoded through a short window of recent tokens (as vLLM does), so a step costs
 the same at token 10 as at token 10,000, and a token that ends inside a multi-byte
-character yields nothing until the character is complete. While a stop string could
-still be forming, the last ``len(longest stop) - 1`` characters are held back, so a
-stream never shows text that a stop string later takes away.
+character yields nothing until the character is complete. The window starts a few tokens
+inside the prompt, so that tokenizers which drop a leading space at the start of a text
+(SentencePiece's Metaspace: Llama 2, Mistral) keep the space of the first output word.
+While a stop string could still be forming, the last ``len(longest stop) - 1`` characters
+are held back, so a stream never shows text that a stop string later takes away.
 """
 
 from __future__ import annotations
@@ -14,42 +16,63 @@ from typing import Any
 
 from .sequence import Sequence
 
+_PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output tokens (as vLLM)
+
 
 @dataclass
 class DetokenizerState:
-    prefix_offset: int = 0  # into output tokens: where the decoding window starts
-    read_offset: int = 0  # output tokens already turned into text
-    text: str = ""  # all text decoded so far (stop strings not yet applied)
+    prefix_offset: int  # into all tokens: where the decoding window starts
+    read_offset: int  # tokens already turned into text
+    text: str = ""  # output text decoded so far (a matched stop string cuts it)
     emitted: int = 0  # characters of text already sent
+
+    @staticmethod
+    def for_prompt(num_prompt_tokens: int) -> DetokenizerState:
+        return DetokenizerState(max(0, num_prompt_tokens - _PROMPT_CONTEXT), num_prompt_tokens)
 
 
 class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def update(self, seq: Sequence, state: DetokenizerState) -> str | None:
-        """Decode the sequence's new tokens. Returns the stop string if one was found (the
-        caller finishes the request); ``seq.output_text`` holds the text so far."""
-        ids = seq.output_token_ids
-        skip = seq.params.skip_special_tokens
-        prefix = self.tokenizer.decode(
-            ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip
-        )
-        full = self.tokenizer.decode(ids[state.prefix_offset :], skip_special_tokens=skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            state.text += full[len(prefix) :]
-            state.prefix_offset = state.read_offset
-            state.read_offset = len(ids)
-        hit = self._find_stop(seq, state)
+    def update(
+        self,
+        seq: Sequence,
+        state: DetokenizerState,
+        *,
+        upto: int | None = None,
+        stops: bool,
+        final: bool = False,
+    ) -> str | None:
+        """Decode the sequence's tokens up to ``upto`` (default: all). With ``stops``, look
+        for stop strings in the new text: the first match cuts the text and is returned
+        (the caller finishes the request). ``final``: the request ends here, so a character
+        left incomplete is decoded as it is. ``seq.output_text`` holds the text so far."""
+        ids = seq.token_ids[: len(seq.token_ids) if upto is None else upto]
+        if len(ids) > state.read_offset:
+            skip = seq.params.skip_special_tokens
+            decode = self.tokenizer.decode
+            prefix = decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip)
+            full = decode(ids[state.prefix_offset :], skip_special_tokens=skip)
+            if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+                searched_from = len(state.text)
+                state.text += full[len(prefix) :]
+                state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+                if stops:
+                    hit = self._cut_at_stop(seq, state, searched_from)
+                    if hit is not None:
+                        seq.output_text = state.text
+                        return hit
         seq.output_text = state.text
-        return hit
+        return None
 
-    def _find_stop(self, seq: Sequence, state: DetokenizerState) -> str | None:
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, state: DetokenizerState, new_from: int) -> str | None:
         stops = seq.params.stop
         if not stops:
             return None
-        # Only the new text and the few characters before it can hold a new match.
-        start = max(0, state.emitted - max(len(s) for s in stops))
+        # A match must end in the new text, so it starts at most len(stop) - 1 before it.
+        start = max(0, new_from - max(len(s) for s in stops) + 1)
         best: tuple[int, str] | None = None
         for stop in stops:
             at = state.text.find(stop, start)

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[KVCacheEvent]], None]
 
+#: the most alternatives a request may ask for per token (vLLM's default cap, OpenAI's too)
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class EngineConfig:
@@ -97,12 +100,15 @@ class Completion:
 class RequestStream:
     """One request's outputs, in order; iterate to get them until the last."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-        self.finished = False
+        self.ended = False  # the engine has sent the last output
+        self.finished = False  # the reader has taken it
 
     def put(self, output: RequestOutput) -> None:
+        self.ended = self.ended or output.finished
         self._queue.put(output)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
@@ -130,7 +136,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which were cached
     preemptions: int
-    prompt_tokens: int  # prompt tokens of admitted requests
+    prompt_tokens: int  # prompt tokens of admitted requests (cached ones included)
     generation_tokens: int
     steps: int
 
@@ -139,7 +145,7 @@ class EngineStats:
 class _Request:
     seq: Seq
     stream: RequestStream
-    detok: DetokenizerState = field(default_factory=DetokenizerState)
+    detok: DetokenizerState
 
 
 class LLMEngine:
@@ -172,12 +178,20 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         capacity = num_blocks * config.block_size
-        self.max_model_len = min(model.config.max_position, capacity)
+        limits = {
+            "the model's positions": model.config.max_position,
+            "the KV cache's capacity": capacity,
+        }
+        if model.config.sliding_window:
+            # Attention here is always full: past the window it would differ from the
+            # model's training, so the context stops at the window.
+            limits["the model's sliding window"] = model.config.sliding_window
+        self.max_model_len = min(limits.values())
         if config.max_model_len is not None:
             if config.max_model_len > self.max_model_len:
                 raise ValueError(
-                    f"max_model_len={config.max_model_len} exceeds what fits: the model's "
-                    f"{model.config.max_position} positions, the cache's {capacity} tokens"
+                    f"max_model_len={config.max_model_len} exceeds what fits: "
+                    + ", ".join(f"{k} {v}" for k, v in limits.items())
                 )
             self.max_model_len = config.max_model_len
         self.eos_token_ids = set(model.config.eos_token_ids)
@@ -187,7 +201,6 @@ class LLMEngine:
         self._generator = torch.Generator(device=param.device).manual_seed(config.seed)
         self._requests: dict[str, _Request] = {}
         self._lock = threading.RLock()
-        self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = 0
 
@@ -218,10 +231,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
-        lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
+        """Queue a request. ``cache_salt`` keeps its cached blocks apart from other
+        tenants' (it enters the first block's hash, as in vLLM)."""
         params = params or SamplingParams()
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
         token_ids = self._prompt_tokens_of(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -229,16 +245,17 @@ class LLMEngine:
                 f"{self.max_model_len}, so at most {self.max_model_len - 1} leave room for output"
             )
         request_id = request_id or uuid.uuid4().hex
-        chain = self.hasher.chain(lora_name=lora_name, cache_salt=cache_salt)
+        chain = self.hasher.chain(cache_salt=cache_salt)
         chain.extend(token_ids)
         seq = Seq(request_id, list(token_ids), len(token_ids), params, chain)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request_id, list(token_ids))
+        detok = DetokenizerState.for_prompt(len(token_ids))
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._requests[request_id] = _Request(seq, stream)
+            self._requests[request_id] = _Request(seq, stream, detok)
             self.scheduler.add(seq)
         return stream
 
@@ -263,10 +280,20 @@ class LLMEngine:
             request = self._requests.pop(request_id, None)
             if request is None:
                 return False
-            self.scheduler.finish(request.seq)
-            request.seq.finish_reason = "abort"
-            request.stream.put(self._output(request, [], [], ""))
+            self._fail(request, "abort")
             return True
+
+    def _fail(self, request: _Request, reason: str) -> None:
+        """End a request early (abort, or an error in its step), freeing its blocks now
+        and sending whatever text was held back."""
+        self.scheduler.finish(request.seq)
+        self._requests.pop(request.seq.request_id, None)
+        request.seq.finish_reason = reason
+        text = ""
+        if self.detokenizer is not None:
+            self.detokenizer.update(request.seq, request.detok, stops=False, final=True)
+            text = self.detokenizer.take_delta(request.seq, request.detok)
+        request.stream.put(self._output(request, [], [], text))
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -283,33 +310,54 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report. Returns this step's outputs
-        (also put on each request's stream)."""
+        (also put on each request's stream).
+
+        If the step fails (a bug, or the device running out of memory), the requests of
+        that batch end with ``finish_reason="error"`` and the engine keeps serving.
+        """
         with self._lock:
             batch = self.scheduler.schedule()
             if not batch:
                 self._flush_events()
                 return []
             self._steps += 1
-            logits, sampled = self.runner.execute(batch)
+            try:
+                logits, sampled = self.runner.execute(batch)
+                seqs = [batch.seqs[i] for i in sampled]
+                result = None
+                if seqs:
+                    result = sample(
+                        logits,
+                        [s.params for s in seqs],
+                        [s.generator for s in seqs],
+                        self._generator,
+                        [self._banned(s) for s in seqs],
+                    )
+            except Exception:
+                log.exception("engine step failed; its %d requests end in error", len(batch.seqs))
+                for seq in batch.seqs:
+                    self._fail(self._requests[seq.request_id], "error")
+                self._flush_events()
+                return []
+            # Only now, with the step's results in hand, does the state move on.
             for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                 seq.num_computed_tokens += n
                 if self.config.enable_prefix_caching:
                     self._cache_full_blocks(seq)
             outputs: list[RequestOutput] = []
-            if sampled:
-                seqs = [batch.seqs[i] for i in sampled]
-                result = sample(
-                    logits,
-                    [s.params for s in seqs],
-                    [s.generator for s in seqs],
-                    self._generator,
-                )
+            if result is not None:
                 for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
                     outputs.append(self._advance(seq, token, lp))
             self._flush_events()
             return outputs
+
+    def _banned(self, seq: Seq) -> list[int]:
+        """Tokens that would end the request before ``min_tokens``: they cannot be drawn."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            return []
+        ends = [] if params.ignore_eos else list(self.eos_token_ids)
+        return ends + list(params.stop_token_ids)
 
     def _cache_full_blocks(self, seq: Seq) -> None:
         size = self.pool.block_size
@@ -318,7 +366,7 @@ class LLMEngine:
         if full <= start:
             return
         digests = seq.hash_chain.digests
-        self.pool.cache_blocks(
+        seq.block_ids[start:full] = self.pool.cache_blocks(
             seq.block_ids[start:full],
             digests[start:full],
             [seq.token_ids[j * size : (j + 1) * size] for j in range(start, full)],
@@ -335,17 +383,24 @@ class LLMEngine:
         params = seq.params
         n_out = seq.num_output_tokens
         may_stop = n_out >= params.min_tokens
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+        if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif may_stop and token in params.stop_token_ids:
+        elif token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        at_length = n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len
         if self.detokenizer is not None:
-            hit = self.detokenizer.update(seq, request.detok)
-            if hit is not None and may_stop and seq.finish_reason is None:
+            # A stop token's own text is not part of the answer (unless asked for).
+            keep = seq.finish_reason is None or params.include_stop_str_in_output
+            hit = self.detokenizer.update(
+                seq,
+                request.detok,
+                upto=None if keep else seq.num_tokens - 1,
+                stops=may_stop,
+                final=at_length or seq.finish_reason is not None,
+            )
+            if hit is not None and seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", hit
-        if seq.finish_reason is None and (
-            n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
+        if seq.finish_reason is None and at_length:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
@@ -375,9 +430,18 @@ class LLMEngine:
         )
 
     def _flush_events(self) -> None:
+        if self.event_sink is None:
+            self.pool.take_events()
+            return
         events = self.pool.take_events()
-        if events and self.event_sink is not None:
+        if not events:
+            return
+        try:
             self.event_sink(events)
+        except Exception:
+            # Keep them for the next step: a lost event would leave the router's index wrong.
+            log.exception("the KV event sink failed; %d events kept for the next step", len(events))
+            self.pool.requeue_events(events)
 
     # -- conveniences --------------------------------------------------------------------
     @property
@@ -392,7 +456,7 @@ class LLMEngine:
                 prefix_cache_queries=s.prefix_cache_queries,
                 prefix_cache_hits=s.prefix_cache_hits,
                 preemptions=s.preemptions,
-                prompt_tokens=self._prompt_tokens,
+                prompt_tokens=s.prompt_tokens,
                 generation_tokens=self._generation_tokens,
                 steps=self._steps,
             )
@@ -405,24 +469,29 @@ class LLMEngine:
         """Run prompts to completion (all admitted together, batched by the scheduler)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        streams = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        prompt_ids = [self._requests[s.request_id].seq.token_ids[:] for s in streams]
-        while self.has_unfinished():
+        streams: list[RequestStream] = []
+        try:
+            for prompt, sp in zip(prompts, params, strict=True):
+                streams.append(self.add_request(prompt, sp))
+        except ValueError:
+            for stream in streams:  # all or nothing
+                self.abort(stream.request_id)
+            raise
+        while not all(stream.ended for stream in streams):
             self.step()
-        results = []
-        for stream, ids in zip(streams, prompt_ids, strict=True):
-            outputs = list(stream)
-            last = outputs[-1]
-            results.append(
-                Completion(
-                    request_id=stream.request_id,
-                    prompt_token_ids=ids,
-                    token_ids=[t for o in outputs for t in o.new_token_ids],
-                    text="".join(o.new_text for o in outputs),
-                    finish_reason=last.finish_reason,
-                    stop_reason=last.stop_reason,
-                    logprobs=[lp for o in outputs for lp in o.logprobs],
-                    num_cached_tokens=last.num_cached_tokens,
-                )
-            )
-        return results
+        return [_completion(stream) for stream in streams]
+
+
+def _completion(stream: RequestStream) -> Completion:
+    outputs = list(stream)
+    last = outputs[-1]
+    return Completion(
+        request_id=stream.request_id,
+        prompt_token_ids=stream.prompt_token_ids,
+        token_ids=[t for o in outputs for t in o.new_token_ids],
+        text="".join(o.new_text for o in outputs),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        logprobs=[lp for o in outputs for lp in o.logprobs],
+        num_cached_tokens=last.num_cached_tokens,
+    )

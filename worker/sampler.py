@@ -4,7 +4,9 @@ Greedy rows take the arg-max. Other rows apply temperature, then top-k, then top
 draw with the exponential-race trick (``argmax(p / q)``, ``q ~ Exp(1)``), which is an exact
 sample from ``p``. A row with a seed draws its noise from its own generator, so its tokens
 do not depend on what else shares the batch. Log-probabilities are those of the model's
-own distribution (before temperature and truncation), as OpenAI and vLLM report them.
+own distribution (before temperature, truncation and banned tokens), as vLLM reports them.
+A row's *banned* tokens (end-of-sequence and stop tokens before ``min_tokens``) can never
+be chosen.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    banned: list[list[int]] | None = None,
 ) -> SampleResult:
-    logits = logits.float()
+    raw = logits = logits.float()
     rows = logits.shape[0]
+    if banned and any(banned):
+        logits = logits.clone()
+        for row, ids in enumerate(banned):
+            if ids:
+                logits[row, ids] = float("-inf")
     chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -53,7 +61,7 @@ def sample(
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
         idx = torch.tensor(wanted, device=logits.device)
-        lp = torch.log_softmax(logits[idx], dim=-1)
+        lp = torch.log_softmax(raw[idx], dim=-1)
         n = max(params[i].logprobs or 0 for i in wanted)
         top_vals, top_ids = lp.topk(n, dim=-1) if n else (None, None)
         picked = lp.gather(1, chosen[idx][:, None]).squeeze(1).tolist()

@@ -30,6 +30,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise the running requests beyond the budget would wait, holding blocks.
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                f"max_num_seqs={self.max_num_seqs}, so every running request can decode each step"
+            )
 
 
 @dataclass
@@ -50,6 +56,7 @@ class ScheduledBatch:
 class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at admission
     prefix_cache_hits: int = 0  # of which found cached
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, cached or not
     preemptions: int = 0
 
 
@@ -113,9 +120,12 @@ class Scheduler:
             seq.block_ids = cached + self.pool.allocate(need)
             seq.num_computed_tokens = computed
             seq.num_cached_blocks = len(cached)
-            seq.num_cached_tokens = computed
-            self.stats.prefix_cache_queries += seq.num_tokens
-            self.stats.prefix_cache_hits += computed
+            if not seq.admitted:  # a preempted request's return is not a new query
+                seq.admitted = True
+                seq.num_cached_tokens = computed
+                self.stats.prefix_cache_queries += seq.num_prompt_tokens
+                self.stats.prefix_cache_hits += computed
+                self.stats.prompt_tokens += seq.num_prompt_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -72,7 +72,8 @@ class Sequence:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already given their hash in the pool
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted: bool = False  # scheduled at least once (stats count the first admission only)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
