@@ -198,7 +198,14 @@ def build_hf_model(model_dir: Path, architecture: str = "llama", **overrides: An
     """A random model built with transformers' own config and model classes, saved with
     ``save_pretrained``, plus the in-process trained tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     from kvpool.worker.tiny import write_tokenizer
@@ -208,6 +215,7 @@ def build_hf_model(model_dir: Path, architecture: str = "llama", **overrides: An
     config_cls, model_cls = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
     }[architecture]
     config = config_cls(
         vocab_size=len(tokenizer),

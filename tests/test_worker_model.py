@@ -43,6 +43,7 @@ VARIANTS = {
     ),
     "llama-attention-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen2-bias": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
 }
 
 
@@ -143,3 +144,12 @@ def test_runner_returns_logits_only_for_sequences_due_a_token(llama_dir: Path) -
     logits, sampled = runner.execute(ScheduledBatch([whole, chunk], [20, 16]))
     assert sampled == [0]  # the chunked prompt has 24 tokens to go
     assert logits.shape == (1, model.config.vocab_size)
+
+
+def test_a_sliding_window_caps_the_context(tmp_path) -> None:
+    """Attention here is always full, so a Mistral v0.1 model stops at its window."""
+    model_dir = build_hf_model(tmp_path, "mistral", sliding_window=48)
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(num_blocks=64, device="cpu"))
+    assert engine.max_model_len == 48
+    with pytest.raises(ValueError, match="context is 48"):
+        engine.add_request(list(range(3, 60)))
