@@ -34,3 +34,19 @@ def test_the_first_output_word_keeps_its_leading_space() -> None:
         detok.update(seq, state, stops=True)
         streamed += detok.take_delta(seq, state)
     assert streamed == " Paris."
+
+
+def test_a_short_stop_string_before_min_tokens_is_not_found_later() -> None:
+    """Each stop string is searched only where it could end in new text."""
+    tokenizer = metaspace_tokenizer()
+    prompt = [1, 3]
+    params = SamplingParams(stop=["Paris", "ZZZZZZZZZZZZ"], min_tokens=2)
+    seq = Sequence("r", list(prompt), len(prompt), params, BlockHasher().chain())
+    detok = Detokenizer(tokenizer)
+    state = DetokenizerState.for_prompt(len(prompt))
+    hits = []
+    for n, token in enumerate((6, 4, 5), start=1):  # " Paris capital is"
+        seq.append_token(token)
+        hits.append(detok.update(seq, state, stops=n >= params.min_tokens))
+    assert hits == [None, None, None]
+    assert state.text == " Paris capital is"

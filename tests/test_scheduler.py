@@ -39,17 +39,7 @@ def run_step(scheduler: Scheduler, pool: BlockPool, config: SchedulerConfig) -> 
     finished = []
     for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
         seq.num_computed_tokens += n
-        full = seq.num_computed_tokens // BLOCK
-        if full > seq.num_cached_blocks:
-            start = seq.num_cached_blocks
-            digests = seq.hash_chain.digests
-            seq.block_ids[start:full] = pool.cache_blocks(
-                seq.block_ids[start:full],
-                digests[start:full],
-                [seq.token_ids[j * BLOCK : (j + 1) * BLOCK] for j in range(start, full)],
-                digests[start - 1] if start else None,
-            )
-            seq.num_cached_blocks = full
+        scheduler.cache_computed_blocks(seq)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.append_token(seq.num_tokens % 7)  # outputs repeat across requests: shared blocks
             if seq.num_output_tokens >= seq.params.max_tokens:

@@ -219,6 +219,8 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engine_facto
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="stop token id 1000000 is not in the vocabulary"):
+        engine.add_request([3, 4], SamplingParams(min_tokens=2, stop_token_ids=[10**6]))
     engine.add_request([3, 4], request_id="dup")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request([3, 4], request_id="dup")
@@ -227,10 +229,15 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(engine_facto
     assert len(done.prompt_token_ids) + len(done.token_ids) == 64  # stopped by the context
 
 
-def test_capacity_from_a_fraction_of_free_memory(engine_factory) -> None:
-    small = engine_factory(num_blocks=None, kv_cache_memory_fraction=1e-6)
-    large = engine_factory(num_blocks=None, kv_cache_memory_fraction=2e-6)
-    assert 0 < small.pool.num_blocks < large.pool.num_blocks
+def test_capacity_from_a_fraction_of_free_memory(engine_factory, monkeypatch) -> None:
+    from kvpool.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "free_memory_bytes", lambda device: 2**30)
+    engine = engine_factory(num_blocks=None, kv_cache_memory_fraction=0.001)
+    c = engine.model.config
+    block_bytes = c.num_layers * 2 * 16 * c.num_kv_heads * c.head_dim * 4  # float32
+    assert engine.pool.num_blocks == int(2**30 * 0.001) // block_bytes
+    assert engine.runner.kv_cache.shape[2] == engine.pool.num_blocks
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         engine_factory(num_blocks=None, kv_cache_memory_fraction=1.5)
 
@@ -279,19 +286,26 @@ def test_preempted_requests_are_counted_once_in_the_cache_statistics(engine_fact
     assert all(d.num_cached_tokens <= len(d.prompt_token_ids) for d in done)
 
 
-def test_identical_prompts_computed_together_keep_the_events_consistent(engine_factory) -> None:
+def test_a_block_computed_twice_at_once_keeps_every_stored_parent_known(engine_factory) -> None:
+    """A and B compute the same first block in one step; A finishes and C's allocation
+    evicts A's copy. B's later blocks must still name a parent the router holds."""
     batches: list[list] = []
-    engine = engine_factory(event_sink=batches.append, num_blocks=14)
-    same = ragged_prompts(1, seed=6)[0][:40]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    first = engine.generate([same, same, same], params)
-    assert first[0].token_ids == first[1].token_ids == first[2].token_ids
-    tokens(engine, ragged_prompts(6, seed=7), params)  # pressure: evicts the shared blocks
-    engine.generate([same], params)
+    engine = engine_factory(
+        event_sink=batches.append, num_blocks=4, max_num_batched_tokens=33, max_num_seqs=4
+    )
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    shared = list(range(100, 116))
+    a = engine.add_request([*shared, 116], one)  # 17 tokens: done after one step
+    b = engine.add_request([*shared, *range(200, 224)], one)  # 40 tokens: prefilled in chunks
+    engine.step()
+    engine.add_request(list(range(300, 317)), one)  # needs A's freed blocks
+    while engine.has_unfinished():
+        engine.step()
     index: set[int] = set()
     for batch in batches:
-        replay(batch, index)  # refuses a stored block whose parent was removed
+        replay(batch, index)  # refuses a stored block whose parent is not in the index
     assert index == {block_key(d) for d in engine.pool.cached_digests}
+    assert [o.finish_reason for o in a][-1] == [o.finish_reason for o in b][-1] == "length"
     engine.pool.check()
 
 
@@ -300,23 +314,38 @@ def test_too_many_logprobs_are_refused(engine_factory) -> None:
         engine_factory().add_request([3, 4], SamplingParams(logprobs=10_000))
 
 
+@pytest.mark.parametrize("where", ["model", "sampler"])
 def test_a_failed_step_ends_its_requests_in_error_and_the_engine_keeps_serving(
-    engine_factory, monkeypatch
+    engine_factory, monkeypatch, where
 ) -> None:
-    engine = engine_factory()
-    stream = engine.add_request([3, 4, 5], SamplingParams(max_tokens=4))
-    real = engine.runner.execute
+    from kvpool.worker import engine as engine_module
 
-    def broken(batch):
-        monkeypatch.setattr(engine.runner, "execute", real)
+    batches: list[list] = []
+    engine = engine_factory(event_sink=batches.append)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = tokens(engine_factory(), [list(range(3, 40))], params)[0]
+    early = engine.add_request(list(range(3, 40)), params)
+    engine.step()
+    engine.step()  # early is decoding with cached blocks when the failure comes
+    late = engine.add_request(list(range(50, 90)), params)
+    owner, name = (engine.runner, "execute") if where == "model" else (engine_module, "sample")
+    real = getattr(owner, name)
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(owner, name, real)  # fails once
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", broken)
+    monkeypatch.setattr(owner, name, broken)
     assert engine.step() == []
-    assert [o.finish_reason for o in stream] == ["error"]
+    assert [o.finish_reason for o in early][-1] == "error"
+    assert [o.finish_reason for o in late] == ["error"]
     assert engine.stats.kv_usage == 0
-    (done,) = engine.generate([[3, 4, 5]], SamplingParams(max_tokens=4))
-    assert done.finish_reason == "length" and len(done.token_ids) == 4
+    (done,) = engine.generate([list(range(3, 40))], params)
+    assert done.token_ids == expected  # and the cache it left behind is sound
+    index: set[int] = set()
+    for batch in batches:
+        replay(batch, index)
+    assert index == {block_key(d) for d in engine.pool.cached_digests}
 
 
 def test_events_a_sink_refused_are_sent_with_the_next_step(engine_factory) -> None:

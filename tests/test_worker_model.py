@@ -100,8 +100,9 @@ def test_greedy_generation_matches_hugging_face(variant_dir: Path) -> None:
         max_size=6,
     ),
     seed=st.integers(0, 2**16),
+    gather=st.sampled_from([32768, 60]),  # 60: decode rows split into several gathers
 )
-def test_paged_attention_equals_the_plain_definition(rows, seed) -> None:
+def test_paged_attention_equals_the_plain_definition(rows, seed, gather) -> None:
     """Ragged batches mixing decode rows, fresh prefills and chunks on top of cached context,
     with blocks scattered over the cache."""
     gen = torch.Generator().manual_seed(seed)
@@ -125,7 +126,7 @@ def test_paged_attention_equals_the_plain_definition(rows, seed) -> None:
             v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
                 len(slots), kv_heads, head_dim, generator=gen
             )
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu", gather)
     t = sum(query_lens)
     q = torch.randn(t, heads, head_dim, generator=gen)
     k = torch.randn(t, kv_heads, head_dim, generator=gen)

@@ -10,10 +10,13 @@ The causal mask is aligned to the *end* of the key sequence: query ``j`` of a se
 has ``q`` new tokens and ``L`` keys in all sits at position ``L - q + j``. That is what
 chunked prefill and prefix-cache hits need, since their queries start part-way through.
 
-Decode rows (one query each) are gathered into one padded batch and run as a single
-``scaled_dot_product_attention`` call; prefill rows run one sequence at a time, where the
-query count makes the call worth its overhead. The same code runs on CPU and on CUDA, where
-``scaled_dot_product_attention`` dispatches to the fused flash or memory-efficient kernels.
+Decode rows (one query each) are gathered into padded batches, each bounded to
+``DECODE_GATHER_TOKENS`` context slots so the gathered copy stays small, and each run as
+one ``scaled_dot_product_attention`` call; prefill rows run one sequence at a time, where
+the query count makes the call worth its overhead. The same code runs on CPU and on CUDA,
+where ``scaled_dot_product_attention`` dispatches to the fused flash or memory-efficient
+kernels (for a masked call with grouped KV heads the heads are expanded first, since
+PyTorch's memory-efficient kernel takes masks but not grouped heads).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+#: context slots one padded decode gather may hold (rows x longest context)
+DECODE_GATHER_TOKENS = 32768
 
 
 @dataclass
@@ -51,7 +57,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # [B] each sequence's blocks, in order
     block_size: int
     prefills: list[PrefillRow] = field(default_factory=list)
-    decode: DecodeBatch | None = None
+    decode: list[DecodeBatch] = field(default_factory=list)
 
     @staticmethod
     def build(
@@ -60,6 +66,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str,
+        decode_gather_tokens: int = DECODE_GATHER_TOKENS,
     ) -> AttentionMetadata:
         """Everything the layers need, computed once per step (index tensors, masks)."""
         starts = [0]
@@ -87,26 +94,35 @@ class AttentionMetadata:
             if total == q:
                 prefills.append(PrefillRow(start, q, None, None))
             else:
-                keys = torch.arange(total)
-                queries = torch.arange(total - q, total)
+                # built where it is used: it is q x context booleans
+                keys = torch.arange(total, device=device)
+                queries = torch.arange(total - q, total, device=device)
                 mask = keys[None, :] <= queries[:, None]
-                prefills.append(PrefillRow(start, q, ctx.to(device), mask.to(device)))
-        decode = None
+                prefills.append(PrefillRow(start, q, ctx.to(device), mask))
+        decode: list[DecodeBatch] = []
+        group_start, longest = 0, 0
+        for i, total in enumerate(decode_lens):
+            longest = max(longest, total)
+            if (i + 1 - group_start) * longest > decode_gather_tokens and i > group_start:
+                decode.append(
+                    _decode_batch(
+                        decode_rows[group_start:i],
+                        decode_tables[group_start:i],
+                        decode_lens[group_start:i],
+                        block_size,
+                        device,
+                    )
+                )
+                group_start, longest = i, total
         if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            flat: list[int] = []  # one flat list: torch.tensor is slow on nested ones
-            for t in decode_tables:
-                flat.extend(t)
-                flat.extend([0] * (width - len(t)))
-            blocks = torch.tensor(flat).view(len(decode_tables), width)
-            slots = blocks[:, :, None] * block_size + torch.arange(block_size)
-            longest = max(decode_lens)
-            slots = slots.view(len(decode_rows), -1)[:, :longest]
-            mask = torch.arange(longest)[None, :] < torch.tensor(decode_lens)[:, None]
-            decode = DecodeBatch(
-                torch.tensor(decode_rows, device=device),
-                slots.reshape(-1).to(device),
-                mask[:, None, None, :].to(device),
+            decode.append(
+                _decode_batch(
+                    decode_rows[group_start:],
+                    decode_tables[group_start:],
+                    decode_lens[group_start:],
+                    block_size,
+                    device,
+                )
             )
         pieces = [torch.tensor(p) if isinstance(p, list) else p for p in slot_parts]
         slot_mapping = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
@@ -119,6 +135,30 @@ class AttentionMetadata:
             prefills=prefills,
             decode=decode,
         )
+
+
+def _decode_batch(
+    rows: list[int],
+    tables: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> DecodeBatch:
+    width = max(len(t) for t in tables)
+    flat: list[int] = []  # one flat list: torch.tensor is slow on nested ones
+    for t in tables:
+        flat.extend(t)
+        flat.extend([0] * (width - len(t)))
+    blocks = torch.tensor(flat).view(len(tables), width)
+    slots = blocks[:, :, None] * block_size + torch.arange(block_size)
+    longest = max(lens)
+    slots = slots.view(len(rows), -1)[:, :longest]
+    mask = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]
+    return DecodeBatch(
+        torch.tensor(rows, device=device),
+        slots.reshape(-1).to(device),
+        mask[:, None, None, :].to(device),
+    )
 
 
 def _context_slots(table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -155,7 +195,6 @@ def paged_attention(
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_flat = k_cache.view(-1, kv_heads, head_dim)
     v_flat = v_cache.view(-1, kv_heads, head_dim)
-    gqa = q.shape[1] != kv_heads
     out = torch.empty_like(q)
     for row in meta.prefills:
         rows = slice(row.q_start, row.q_start + row.q_len)
@@ -167,22 +206,31 @@ def paged_attention(
             vi = v_flat.index_select(0, row.ctx_slots)
         ki = ki.transpose(0, 1).unsqueeze(0)
         vi = vi.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=row.mask, is_causal=row.mask is None, scale=scale, enable_gqa=gqa
-        )
+        o = _sdpa(qi, ki, vi, row.mask, scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
-    if meta.decode is not None:
-        d = meta.decode
+    for d in meta.decode:
         batch = d.q_index.shape[0]
         qd = q[d.q_index].unsqueeze(2)  # [B, heads, 1, head_dim]
         # index_select over slots is the fastest gather on CPU (faster than by block)
         kd = k_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         vd = v_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
-        )
-        out[d.q_index] = o.squeeze(2)
+        out[d.q_index] = _sdpa(qd, kd, vd, d.mask, scale).squeeze(2)
     return out
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``[B, heads, q, d]`` attention over ``[B, kv_heads, L, d]``; no mask means causal."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and mask is not None and q.is_cuda:
+        # CUDA's flash kernel takes grouped heads but no mask; the memory-efficient kernel
+        # takes a mask but no grouped heads. Expanding beats falling back to the math path.
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        group = 1
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+    )
 
 
 def reference_attention(

@@ -71,11 +71,11 @@ class Detokenizer:
         stops = seq.params.stop
         if not stops:
             return None
-        # A match must end in the new text, so it starts at most len(stop) - 1 before it.
-        start = max(0, new_from - max(len(s) for s in stops) + 1)
         best: tuple[int, str] | None = None
         for stop in stops:
-            at = state.text.find(stop, start)
+            # A match must end in the new text, so it starts at most len(stop) - 1 before
+            # it; text before that was searched already, or decoded before min_tokens.
+            at = state.text.find(stop, max(0, new_from - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:

@@ -164,6 +164,8 @@ class LLMEngine:
         param = next(model.parameters())
         num_blocks = config.num_blocks
         if num_blocks is None:
+            if param.device.type == "cuda":
+                torch.cuda.empty_cache()  # what loading freed is free for the cache
             fraction = config.kv_cache_memory_fraction
             if fraction is None:
                 fraction = 0.9 if param.device.type == "cuda" else 0.1
@@ -238,6 +240,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
         token_ids = self._prompt_tokens_of(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -343,7 +349,7 @@ class LLMEngine:
             for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
                 seq.num_computed_tokens += n
                 if self.config.enable_prefix_caching:
-                    self._cache_full_blocks(seq)
+                    self.scheduler.cache_computed_blocks(seq)
             outputs: list[RequestOutput] = []
             if result is not None:
                 for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
@@ -358,21 +364,6 @@ class LLMEngine:
             return []
         ends = [] if params.ignore_eos else list(self.eos_token_ids)
         return ends + list(params.stop_token_ids)
-
-    def _cache_full_blocks(self, seq: Seq) -> None:
-        size = self.pool.block_size
-        full = seq.num_computed_tokens // size
-        start = seq.num_cached_blocks
-        if full <= start:
-            return
-        digests = seq.hash_chain.digests
-        seq.block_ids[start:full] = self.pool.cache_blocks(
-            seq.block_ids[start:full],
-            digests[start:full],
-            [seq.token_ids[j * size : (j + 1) * size] for j in range(start, full)],
-            digests[start - 1] if start else None,
-        )
-        seq.num_cached_blocks = full
 
     def _advance(
         self, seq: Seq, token: int, lp: tuple[float, list[tuple[int, float]]] | None

@@ -69,7 +69,8 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):
         model = LlamaModel(config)
-    model = model.to_empty(device=device).to(torch_dtype)
+    # cast while still on meta, so the device only ever holds the model in its final dtype
+    model = model.to(torch_dtype).to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(config).to(device)

@@ -43,12 +43,21 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin of this step's positions, looked up once and shared by every layer."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(
+            1
+        )
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rope(
+    tables: RopeTables, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = tables
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,8 +85,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: RopeTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -86,7 +94,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rope(rope, q, k)
         cache = kv_cache[self.layer]
         out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -112,8 +120,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(
+        self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,8 +158,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -92,6 +92,8 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # before the
+        # forward pass is queued: copying it after would make the host wait for the GPU
         hidden = self.model(
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
@@ -100,5 +102,4 @@ class ModelRunner:
         )
         if not sampled:
             return hidden.new_empty(0, self.model.config.vocab_size, dtype=torch.float32), sampled
-        rows = torch.tensor(last_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), sampled

@@ -63,14 +63,15 @@ def sample(
         idx = torch.tensor(wanted, device=logits.device)
         lp = torch.log_softmax(raw[idx], dim=-1)
         n = max(params[i].logprobs or 0 for i in wanted)
-        top_vals, top_ids = lp.topk(n, dim=-1) if n else (None, None)
-        picked = lp.gather(1, chosen[idx][:, None]).squeeze(1).tolist()
+        picked = lp.gather(1, chosen[idx][:, None]).squeeze(1).cpu().tolist()
+        top_vals: list[list[float]] = [[] for _ in wanted]
+        top_ids: list[list[int]] = [[] for _ in wanted]
+        if n:
+            values, ids = lp.topk(n, dim=-1)
+            top_vals, top_ids = values.cpu().tolist(), ids.cpu().tolist()  # one copy each
         for row, i in enumerate(wanted):
             k = params[i].logprobs or 0
-            top = []
-            if k:
-                assert top_vals is not None and top_ids is not None
-                top = list(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist(), strict=True))
+            top = list(zip(top_ids[row][:k], top_vals[row][:k], strict=True))
             logprobs[i] = (picked[row], top)
     return SampleResult(token_ids, logprobs)
 

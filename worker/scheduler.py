@@ -133,6 +133,23 @@ class Scheduler:
             budget -= n
         return batch
 
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """After a step: give the request's newly full, computed blocks their hashes (the
+        pool may switch it to identical blocks that are already cached)."""
+        size = self.pool.block_size
+        full = seq.num_computed_tokens // size
+        start = seq.num_cached_blocks
+        if full <= start:
+            return
+        digests = seq.hash_chain.digests
+        seq.block_ids[start:full] = self.pool.cache_blocks(
+            seq.block_ids[start:full],
+            digests[start:full],
+            [seq.token_ids[j * size : (j + 1) * size] for j in range(start, full)],
+            digests[start - 1] if start else None,
+        )
+        seq.num_cached_blocks = full
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = Status.WAITING
