@@ -198,25 +198,13 @@ def build_hf_model(model_dir: Path, architecture: str = "llama", **overrides: An
     """A random model built with transformers' own config and model classes, saved with
     ``save_pretrained``, plus the in-process trained tokenizer."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
     from transformers.utils import logging as hf_logging
 
-    from kvpool.worker.tiny import write_tokenizer
+    from kvpool.worker.tiny import hf_model_classes, write_tokenizer
 
     hf_logging.disable_progress_bar()
     tokenizer = write_tokenizer(model_dir)
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }[architecture]
+    config_cls, model_cls = hf_model_classes(architecture)
     config = config_cls(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,

@@ -99,31 +99,12 @@ class AttentionMetadata:
                 queries = torch.arange(total - q, total, device=device)
                 mask = keys[None, :] <= queries[:, None]
                 prefills.append(PrefillRow(start, q, ctx.to(device), mask))
-        decode: list[DecodeBatch] = []
-        group_start, longest = 0, 0
-        for i, total in enumerate(decode_lens):
-            longest = max(longest, total)
-            if (i + 1 - group_start) * longest > decode_gather_tokens and i > group_start:
-                decode.append(
-                    _decode_batch(
-                        decode_rows[group_start:i],
-                        decode_tables[group_start:i],
-                        decode_lens[group_start:i],
-                        block_size,
-                        device,
-                    )
-                )
-                group_start, longest = i, total
-        if decode_rows:
-            decode.append(
-                _decode_batch(
-                    decode_rows[group_start:],
-                    decode_tables[group_start:],
-                    decode_lens[group_start:],
-                    block_size,
-                    device,
-                )
+        decode = [
+            _decode_batch(
+                decode_rows[a:b], decode_tables[a:b], decode_lens[a:b], block_size, device
             )
+            for a, b in _gather_groups(decode_lens, decode_gather_tokens)
+        ]
         pieces = [torch.tensor(p) if isinstance(p, list) else p for p in slot_parts]
         slot_mapping = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
         return AttentionMetadata(
@@ -135,6 +116,21 @@ class AttentionMetadata:
             prefills=prefills,
             decode=decode,
         )
+
+
+def _gather_groups(lens: list[int], budget: int) -> list[tuple[int, int]]:
+    """Split consecutive rows into ``[start, stop)`` groups whose padded size (rows x
+    longest context) stays within ``budget``; a row longer than it is a group of its own."""
+    groups: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, total in enumerate(lens):
+        longest = max(longest, total)
+        if (i + 1 - start) * longest > budget and i > start:
+            groups.append((start, i))
+            start, longest = i, total
+    if lens:
+        groups.append((start, len(lens)))
+    return groups
 
 
 def _decode_batch(

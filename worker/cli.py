@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from kvpool.cli import configure_logging
 
 from .config import ModelLoadError
+from .tiny import ARCHITECTURES
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="write a tiny random Llama model and tokenizer")
     p.add_argument("dir", help="directory to write (created if missing)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--architecture", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="llama")
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser("generate", help="generate text for prompts with a model directory")

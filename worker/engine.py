@@ -24,7 +24,7 @@ from kvpool.kv_events import KVCacheEvent
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer, DetokenizerState
-from .loader import load_model, load_tokenizer, resolve_dtype
+from .loader import load_model, load_tokenizer
 from .model import LlamaModel
 from .model_runner import ModelRunner, blocks_for_memory
 from .sampler import sample
@@ -115,12 +115,6 @@ class RequestStream:
         output = self._queue.get(timeout=timeout)
         self.finished = output.finished
         return output
-
-    def get_nowait(self) -> RequestOutput | None:
-        try:
-            return self.get(timeout=0)
-        except queue.Empty:
-            return None
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while not self.finished:
@@ -222,7 +216,7 @@ class LLMEngine:
             model_dir,
             model.config.architecture,
             device,
-            resolve_dtype(config.dtype, model.config, device),
+            next(model.parameters()).dtype,
         )
         return cls(model, tokenizer, config, event_sink)
 
@@ -240,10 +234,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+        self._check_vocabulary(params.stop_token_ids, "stop token id")
         token_ids = self._prompt_tokens_of(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -272,18 +263,21 @@ class LLMEngine:
             token_ids = list(self.tokenizer.encode(prompt))
         else:
             token_ids = list(prompt)
-            vocab = self.model.config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
+            self._check_vocabulary(token_ids, "token id")
         if not token_ids:
             raise ValueError("the prompt is empty")
         return token_ids
 
+    def _check_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} {bad[0]!r} is not in the vocabulary [0, {vocab})")
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. ``False`` if it is unknown or done."""
         with self._lock:
-            request = self._requests.pop(request_id, None)
+            request = self._requests.get(request_id)
             if request is None:
                 return False
             self._fail(request, "abort")

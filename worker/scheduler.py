@@ -72,12 +72,8 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        size = self.pool.block_size
-        return max(0, -(-(seq.num_computed_tokens + n) // size) - len(seq.block_ids))
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.block_size)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -86,7 +82,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._blocks_needed(seq, n)
+            need = max(0, self._blocks_for(seq.num_computed_tokens + n) - len(seq.block_ids))
             while need > self.pool.num_free:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -104,15 +100,13 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached: list[int] = []
-            if not seq.block_ids:
-                # The last prompt token is always computed, so that there are logits to sample.
-                limit = (seq.num_tokens - 1) // self.pool.block_size
-                cached = self.pool.lookup(seq.hash_chain.digests[:limit])
+            # The last prompt token is always computed, so that there are logits to sample.
+            limit = (seq.num_tokens - 1) // self.pool.block_size
+            cached = self.pool.lookup(seq.hash_chain.digests[:limit])
             evictable_hits = sum(self.pool.blocks[b].ref_count == 0 for b in cached)
             computed = len(cached) * self.pool.block_size
             n = min(seq.num_tokens - computed, budget)
-            need = -(-(computed + n) // self.pool.block_size) - len(cached)
+            need = self._blocks_for(computed + n) - len(cached)
             if need > self.pool.num_free - evictable_hits:
                 break
             self.waiting.popleft()

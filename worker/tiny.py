@@ -80,6 +80,23 @@ def write_tokenizer(model_dir: str | Path, vocab_size: int = 512) -> Any:
     return fast
 
 
+#: transformers' config and model class names for each architecture a random model can have
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def hf_model_classes(architecture: str) -> tuple[Any, Any]:
+    """transformers' config and model classes for ``architecture`` (imported on demand)."""
+    import transformers
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not one of {', '.join(ARCHITECTURES)}")
+    return tuple(getattr(transformers, name) for name in ARCHITECTURES[architecture])
+
+
 def make_tiny_model(
     model_dir: str | Path,
     *,
@@ -89,12 +106,12 @@ def make_tiny_model(
 ) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer.
 
-    ``architecture`` is ``llama`` or ``qwen2`` (which has q/k/v biases); ``shape`` overrides
-    :data:`DEFAULT_SHAPE` and any other config field.
+    ``architecture`` is one of :data:`ARCHITECTURES` (``qwen2`` has q/k/v biases);
+    ``shape`` overrides :data:`DEFAULT_SHAPE` and any other config field.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_cls, model_cls = hf_model_classes(architecture)
     model_dir = Path(model_dir)
     tokenizer = write_tokenizer(model_dir)
     fields = {
@@ -106,10 +123,6 @@ def make_tiny_model(
         "tie_word_embeddings": False,
         **shape,
     }
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-    if architecture not in classes:
-        raise ValueError(f"architecture {architecture!r} is not one of {', '.join(classes)}")
-    config_cls, model_cls = classes[architecture]
     config = config_cls(**fields)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
