@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher
+from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher, block_key
 from kvpool.kv_events import KVCacheEvent
 
 from .block_pool import BlockPool
@@ -28,13 +29,16 @@ from .loader import load_model, load_tokenizer
 from .model import LlamaModel
 from .model_runner import ModelRunner, blocks_for_memory
 from .sampler import sample
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import SamplingParams
 from .sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[KVCacheEvent]], None]
+
+#: one sampled token: its sequence, the token id, and (logprob, top alternatives) or None
+Sampled = tuple[Seq, int, "tuple[float, list[tuple[int, float]]] | None"]
 
 #: the most alternatives a request may ask for per token (vLLM's default cap, OpenAI's too)
 MAX_LOGPROBS = 20
@@ -53,11 +57,23 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when a GPU is present
     seed: int = 0
+    kv_pin_timeout_s: float = 30.0  # pinned prefill blocks are freed if not pulled by then
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room for output in the model's context."""
+
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        self.num_tokens, self.max_model_len = num_tokens, max_model_len
+        super().__init__(
+            f"the prompt has {num_tokens} tokens; this model's context is {max_model_len}, "
+            f"so at most {max_model_len - 1} leave room for output"
+        )
 
 
 @dataclass
@@ -133,6 +149,8 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of admitted requests (cached ones included)
     generation_tokens: int
     steps: int
+    waiting_tokens: int = 0  # tokens of the requests waiting for admission
+    pinned_requests: int = 0  # finished prefills whose blocks wait for a decode worker
 
 
 @dataclass
@@ -142,47 +160,83 @@ class _Request:
     detok: DetokenizerState
 
 
-class LLMEngine:
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized and hashed request, ready for :meth:`EngineCore.submit`.
+    Made by :meth:`EngineCore.prepare` outside the engine's lock (tokenizing and hashing a
+    long prompt must not hold up a step)."""
+
+    seq: Seq
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.token_ids[: self.seq.num_prompt_tokens]
+
+
+@dataclass
+class PinnedBlocks:
+    """A finished prefill's full prompt blocks, held for a decode worker to pull."""
+
+    request_id: str
+    block_ids: list[int]
+    block_keys: list[int]
+    num_prompt_tokens: int
+    deadline: float  # time.monotonic() after which they are freed unpulled
+    readers: int = 0  # transfers under way (the pin does not expire during one)
+
+
+@dataclass
+class KVLayout:
+    """How one block's KV bytes are laid out (the header of a KV transfer)."""
+
+    dtype: str  # torch dtype name without "torch.", or "none" (the simulated engine)
+    block_shape: list[int]  # [layers, 2 (k, v), block_size, kv_heads, head_dim]
+    layout: str = "layer,kv,token,kv_head,head_dim"
+
+    @property
+    def block_bytes(self) -> int:
+        if self.dtype == "none":
+            return 0
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+
+class EngineCore:
+    """Requests, scheduling, the block pool, detokenizing, pinning and events: everything
+    but the forward pass. :class:`LLMEngine` runs a real model; the simulated engine
+    (``kvpool.worker.sim``) replaces the model with a timing model."""
+
     def __init__(
         self,
-        model: LlamaModel,
         tokenizer: Any | None,
-        config: EngineConfig | None = None,
+        config: EngineConfig,
+        num_blocks: int,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        limits: dict[str, int],
+        eos_token_ids: Sequence[int],
         event_sink: EventSink | None = None,
     ) -> None:
-        self.config = config = config or EngineConfig()
-        self.model = model
+        self.config = config
         self.tokenizer = tokenizer
         self.event_sink = event_sink
+        self.vocab_size = vocab_size
         self.hasher = BlockHasher(block_size=config.block_size, hash_seed=config.hash_seed)
-        param = next(model.parameters())
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            if param.device.type == "cuda":
-                torch.cuda.empty_cache()  # what loading freed is free for the cache
-            fraction = config.kv_cache_memory_fraction
-            if fraction is None:
-                fraction = 0.9 if param.device.type == "cuda" else 0.1
-            num_blocks = blocks_for_memory(
-                model, config.block_size, param.dtype, param.device, fraction
-            )
         if num_blocks < 1:
             raise ValueError("the KV cache has room for no block: give num_blocks or more memory")
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs), self.pool
         )
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
-        capacity = num_blocks * config.block_size
-        limits = {
-            "the model's positions": model.config.max_position,
-            "the KV cache's capacity": capacity,
-        }
-        if model.config.sliding_window:
-            # Attention here is always full: past the window it would differ from the
-            # model's training, so the context stops at the window.
-            limits["the model's sliding window"] = model.config.sliding_window
-        self.max_model_len = min(limits.values())
+        limits = {**limits, "the KV cache's capacity": num_blocks * config.block_size}
+        self.max_model_len = min(max_model_len, *limits.values())
         if config.max_model_len is not None:
             if config.max_model_len > self.max_model_len:
                 raise ValueError(
@@ -190,35 +244,15 @@ class LLMEngine:
                     + ", ".join(f"{k} {v}" for k, v in limits.items())
                 )
             self.max_model_len = config.max_model_len
-        self.eos_token_ids = set(model.config.eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self._generator = torch.Generator(device=param.device).manual_seed(config.seed)
         self._requests: dict[str, _Request] = {}
+        self._pinned: dict[str, PinnedBlocks] = {}
         self._lock = threading.RLock()
         self._generation_tokens = 0
         self._steps = 0
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        model_dir: str | Path,
-        config: EngineConfig | None = None,
-        event_sink: EventSink | None = None,
-    ) -> LLMEngine:
-        config = config or EngineConfig()
-        device = config.resolved_device()
-        model = load_model(model_dir, dtype=config.dtype, device=device)
-        tokenizer = load_tokenizer(model_dir)
-        log.info(
-            "loaded %s (%s) on %s as %s",
-            model_dir,
-            model.config.architecture,
-            device,
-            next(model.parameters()).dtype,
-        )
-        return cls(model, tokenizer, config, event_sink)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -231,32 +265,55 @@ class LLMEngine:
     ) -> RequestStream:
         """Queue a request. ``cache_salt`` keeps its cached blocks apart from other
         tenants' (it enters the first block's hash, as in vLLM)."""
+        prepared = self.prepare(prompt, params, request_id, cache_salt=cache_salt)
+        stream = RequestStream(prepared.request_id, prepared.prompt_token_ids)
+        self.submit(prepared, stream)
+        return stream
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        pin_blocks: bool = False,
+    ) -> PreparedRequest:
+        """Validate, tokenize and hash a request (raises ``ValueError`` saying what is
+        wrong). ``pin_blocks``: when it finishes, keep its full prompt blocks for a decode
+        worker to pull (see :meth:`pinned`)."""
         params = params or SamplingParams()
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
         self._check_vocabulary(params.stop_token_ids, "stop token id")
-        token_ids = self._prompt_tokens_of(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is "
-                f"{self.max_model_len}, so at most {self.max_model_len - 1} leave room for output"
-            )
+        token_ids = self.prompt_tokens_of(prompt)
+        self.check_prompt_length(len(token_ids))
         request_id = request_id or uuid.uuid4().hex
         chain = self.hasher.chain(cache_salt=cache_salt)
         chain.extend(token_ids)
         seq = Seq(request_id, list(token_ids), len(token_ids), params, chain)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        stream = RequestStream(request_id, list(token_ids))
-        detok = DetokenizerState.for_prompt(len(token_ids))
-        with self._lock:
-            if request_id in self._requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._requests[request_id] = _Request(seq, stream, detok)
-            self.scheduler.add(seq)
-        return stream
+        seq.pin_blocks = pin_blocks
+        self._init_sequence(seq)
+        return PreparedRequest(seq)
 
-    def _prompt_tokens_of(self, prompt: str | Sequence[int]) -> list[int]:
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise PromptTooLong(num_tokens, self.max_model_len)
+
+    def _init_sequence(self, seq: Seq) -> None:
+        """Per-request state of the forward pass (a seeded generator, for instance)."""
+
+    def submit(self, prepared: PreparedRequest, stream: RequestStream) -> None:
+        """Queue a prepared request; its outputs go to ``stream``."""
+        seq = prepared.seq
+        detok = DetokenizerState.for_prompt(seq.num_prompt_tokens)
+        with self._lock:
+            if seq.request_id in self._requests or seq.request_id in self._pinned:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self._requests[seq.request_id] = _Request(seq, stream, detok)
+            self.scheduler.add(seq)
+
+    def prompt_tokens_of(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give token ids")
@@ -269,7 +326,7 @@ class LLMEngine:
         return token_ids
 
     def _check_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{what} {bad[0]!r} is not in the vocabulary [0, {vocab})")
@@ -301,11 +358,116 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (reported as ``AllBlocksCleared``). ``False`` while
-        requests run."""
+        requests run or blocks are pinned."""
         with self._lock:
             done = self.pool.reset_prefix_cache()
             self._flush_events()
             return done
+
+    # -- prefill/decode hand-off ---------------------------------------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        raise NotImplementedError
+
+    def _pin(self, seq: Seq) -> None:
+        n = seq.num_prompt_tokens // self.pool.block_size
+        block_ids = seq.block_ids[:n]
+        self.pool.touch(block_ids)  # a second reference: finishing the request keeps them
+        self._pinned[seq.request_id] = PinnedBlocks(
+            seq.request_id,
+            block_ids,
+            [block_key(d) for d in seq.hash_chain.digests[:n]],
+            seq.num_prompt_tokens,
+            time.monotonic() + self.config.kv_pin_timeout_s,
+        )
+
+    def pinned(self, request_id: str) -> PinnedBlocks | None:
+        with self._lock:
+            return self._pinned.get(request_id)
+
+    def open_pinned(self, request_id: str) -> PinnedBlocks | None:
+        """Start a transfer of pinned blocks: they stay pinned until :meth:`close_pinned`."""
+        with self._lock:
+            pin = self._pinned.get(request_id)
+            if pin is not None:
+                pin.readers += 1
+            return pin
+
+    def close_pinned(self, pin: PinnedBlocks) -> None:
+        with self._lock:
+            pin.readers -= 1
+            pin.deadline = time.monotonic() + self.config.kv_pin_timeout_s
+
+    def unpin(self, request_id: str) -> bool:
+        """Free a request's pinned blocks (the decode side has them). ``False`` if none."""
+        with self._lock:
+            pin = self._pinned.pop(request_id, None)
+            if pin is None:
+                return False
+            self.pool.free(list(reversed(pin.block_ids)))
+            return True
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Free pins that nobody pulled in time; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [
+                rid for rid, p in self._pinned.items() if p.deadline <= now and not p.readers
+            ]
+            for rid in expired:
+                self.unpin(rid)
+            return expired
+
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """The KV bytes of blocks, block after block, in :attr:`kv_layout`."""
+        raise NotImplementedError
+
+    def import_blocks(
+        self,
+        prompt_token_ids: Sequence[int],
+        block_keys: Sequence[int],
+        data: bytes | memoryview,
+        *,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Store blocks computed by a prefill worker in this cache, as cached prefix blocks
+        (published as ``BlockStored``); a request for the same prompt admitted next finds
+        them. The keys must match this engine's own hashes of the prompt (same model, block
+        size and seed), or nothing is stored. Returns how many blocks are now cached."""
+        size = self.pool.block_size
+        n = len(block_keys)
+        if n > len(prompt_token_ids) // size:
+            raise ValueError(f"{n} blocks sent for a prompt of {len(prompt_token_ids)} tokens")
+        chain = self.hasher.chain(cache_salt=cache_salt)
+        chain.extend(prompt_token_ids[: n * size])
+        if chain.keys != list(block_keys):
+            raise ValueError(
+                "the sent blocks' hashes differ from this worker's: model, block size or "
+                f"hash seed differ ({self.hasher.fingerprint} here)"
+            )
+        block_bytes = self.kv_layout.block_bytes
+        if len(data) != n * block_bytes:
+            raise ValueError(f"expected {n * block_bytes} bytes of KV, got {len(data)}")
+        with self._lock:
+            have = len(self.pool.lookup(chain.digests))
+            # Room is what is free, less what waiting requests are about to need.
+            room = max(0, self.pool.num_free - self.pool.block_size)
+            end = have + min(n - have, room)
+            if end > have:
+                block_ids = self.pool.allocate(end - have)
+                self._write_blocks(block_ids, data[have * block_bytes : end * block_bytes])
+                held = self.pool.cache_blocks(
+                    block_ids,
+                    chain.digests[have:end],
+                    [prompt_token_ids[j * size : (j + 1) * size] for j in range(have, end)],
+                    chain.digests[have - 1] if have else None,
+                )
+                self.pool.free(list(reversed(held)))
+                self._flush_events()
+            return end
+
+    def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        raise NotImplementedError
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -322,17 +484,7 @@ class LLMEngine:
                 return []
             self._steps += 1
             try:
-                logits, sampled = self.runner.execute(batch)
-                seqs = [batch.seqs[i] for i in sampled]
-                result = None
-                if seqs:
-                    result = sample(
-                        logits,
-                        [s.params for s in seqs],
-                        [s.generator for s in seqs],
-                        self._generator,
-                        [self._banned(s) for s in seqs],
-                    )
+                sampled = self._execute(batch)
             except Exception:
                 log.exception("engine step failed; its %d requests end in error", len(batch.seqs))
                 for seq in batch.seqs:
@@ -344,12 +496,14 @@ class LLMEngine:
                 seq.num_computed_tokens += n
                 if self.config.enable_prefix_caching:
                     self.scheduler.cache_computed_blocks(seq)
-            outputs: list[RequestOutput] = []
-            if result is not None:
-                for seq, token, lp in zip(seqs, result.token_ids, result.logprobs, strict=True):
-                    outputs.append(self._advance(seq, token, lp))
+            outputs = [self._advance(seq, token, lp) for seq, token, lp in sampled]
             self._flush_events()
             return outputs
+
+    def _execute(self, batch: ScheduledBatch) -> list[Sampled]:
+        """Run the batch: a token (and its logprobs, if asked) for each sequence that
+        reaches its last known token."""
+        raise NotImplementedError
 
     def _banned(self, seq: Seq) -> list[int]:
         """Tokens that would end the request before ``min_tokens``: they cannot be drawn."""
@@ -388,6 +542,8 @@ class LLMEngine:
         if seq.finish_reason is None and at_length:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            if seq.pin_blocks and seq.finish_reason in ("stop", "length"):
+                self._pin(seq)
             self.scheduler.finish(seq)
             del self._requests[seq.request_id]
         text = self.detokenizer.take_delta(seq, request.detok) if self.detokenizer else ""
@@ -444,6 +600,8 @@ class LLMEngine:
                 prompt_tokens=s.prompt_tokens,
                 generation_tokens=self._generation_tokens,
                 steps=self._steps,
+                waiting_tokens=sum(q.num_tokens for q in self.scheduler.waiting),
+                pinned_requests=len(self._pinned),
             )
 
     def generate(
@@ -465,6 +623,108 @@ class LLMEngine:
         while not all(stream.ended for stream in streams):
             self.step()
         return [_completion(stream) for stream in streams]
+
+
+class LLMEngine(EngineCore):
+    """The engine over a real model: one forward pass and one sampling per step."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Any | None,
+        config: EngineConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> None:
+        config = config or EngineConfig()
+        self.model = model
+        param = next(model.parameters())
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            if param.device.type == "cuda":
+                torch.cuda.empty_cache()  # what loading freed is free for the cache
+            fraction = config.kv_cache_memory_fraction
+            if fraction is None:
+                fraction = 0.9 if param.device.type == "cuda" else 0.1
+            num_blocks = blocks_for_memory(
+                model, config.block_size, param.dtype, param.device, fraction
+            )
+        limits = {"the model's positions": model.config.max_position}
+        if model.config.sliding_window:
+            # Attention here is always full: past the window it would differ from the
+            # model's training, so the context stops at the window.
+            limits["the model's sliding window"] = model.config.sliding_window
+        super().__init__(
+            tokenizer,
+            config,
+            num_blocks,
+            vocab_size=model.config.vocab_size,
+            max_model_len=model.config.max_position,
+            limits=limits,
+            eos_token_ids=model.config.eos_token_ids,
+            event_sink=event_sink,
+        )
+        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self._generator = torch.Generator(device=param.device).manual_seed(config.seed)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        event_sink: EventSink | None = None,
+    ) -> LLMEngine:
+        config = config or EngineConfig()
+        device = config.resolved_device()
+        model = load_model(model_dir, dtype=config.dtype, device=device)
+        tokenizer = load_tokenizer(model_dir)
+        log.info(
+            "loaded %s (%s) on %s as %s",
+            model_dir,
+            model.config.architecture,
+            device,
+            next(model.parameters()).dtype,
+        )
+        return cls(model, tokenizer, config, event_sink)
+
+    def _init_sequence(self, seq: Seq) -> None:
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device)
+            seq.generator.manual_seed(seq.params.seed)
+
+    def _execute(self, batch: ScheduledBatch) -> list[Sampled]:
+        logits, rows = self.runner.execute(batch)
+        if not rows:
+            return []
+        seqs = [batch.seqs[i] for i in rows]
+        result = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            self._generator,
+            [self._banned(s) for s in seqs],
+        )
+        return list(zip(seqs, result.token_ids, result.logprobs, strict=True))
+
+    # -- KV blocks as bytes (the prefill/decode hand-off) --------------------------------
+    @property
+    def kv_layout(self) -> KVLayout:
+        kv = self.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        shape = [kv.shape[0], kv.shape[1], *kv.shape[3:]]
+        return KVLayout(str(kv.dtype).removeprefix("torch."), shape)
+
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        kv = self.runner.kv_cache
+        index = torch.tensor(list(block_ids), device=kv.device)
+        blocks = kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        kv = self.runner.kv_cache
+        shape = [len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:]]
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        blocks = raw.view(kv.dtype).view(shape).to(kv.device)
+        index = torch.tensor(block_ids, device=kv.device)
+        kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))
 
 
 def _completion(stream: RequestStream) -> Completion:

@@ -78,6 +78,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
+    pin_blocks: bool = False  # a prefill for a decode worker: keep its blocks when done
 
     @property
     def num_tokens(self) -> int:
