@@ -3,15 +3,27 @@
 * ``make-tiny-model DIR``: write the deterministic tiny random Llama model and tokenizer
   that tests and the local demo run;
 * ``generate --model DIR PROMPT...``: run prompts through the engine and print the text,
-  a quick check that a model directory loads and generates.
+  a quick check that a model directory loads and generates;
+* ``serve --model DIR``: the OpenAI-compatible worker server (``--engine sim`` for the
+  simulated engine);
+* ``sim-fleet --model DIR --count N``: N simulated workers in one process, on consecutive
+  ports.
+
+Every ``serve`` flag can also come from a ``KVPOOL_*`` variable (``--max-num-seqs`` from
+``KVPOOL_MAX_NUM_SEQS``); a flag wins over the variable.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool.cli import configure_logging
 
@@ -47,6 +59,88 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of :class:`WorkerSettings`; values are validated by the model."""
+    from .settings import WorkerSettings
+
+    for name, info in WorkerSettings.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = info.annotation
+        args = typing.get_args(kind)
+        if isinstance(kind, types.UnionType):
+            kind = next(a for a in args if a is not type(None))
+            args = typing.get_args(kind)
+        choices = list(args) if typing.get_origin(kind) is typing.Literal else None
+        default = info.default if info.default is not None else "unset"
+        parser.add_argument(
+            flag,
+            dest=name,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"env KVPOOL_{name.upper()}; default {default}",
+        )
+
+
+def _settings_values(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Flags given, over ``KVPOOL_*`` variables set."""
+    from .settings import WorkerSettings
+
+    values: dict[str, Any] = {}
+    for name in WorkerSettings.model_fields:
+        if name in skip:
+            continue
+        env = os.environ.get(f"KVPOOL_{name.upper()}")
+        if hasattr(args, name):
+            values[name] = getattr(args, name)
+        elif env is not None:
+            values[name] = env
+    return values
+
+
+def _settings(values: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    from .settings import WorkerSettings
+
+    try:
+        return WorkerSettings(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            for e in exc.errors(include_url=False)
+        )
+        raise ValueError(f"bad settings: {problems}") from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    settings = _settings(_settings_values(args))
+    serve(settings, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+def _cmd_sim_fleet(args: argparse.Namespace) -> int:
+    from .server import serve_many
+
+    base = _settings_values(args, skip=("port", "engine", "kv_events_endpoint"))
+    fleet = []
+    for i in range(args.count):
+        values = {**base, "engine": "sim", "port": args.base_port + i}
+        if args.kv_events_base_port:
+            host = base.get("host", "127.0.0.1")
+            values["kv_events_endpoint"] = f"tcp://{host}:{args.kv_events_base_port + i}"
+            values.pop("kv_events_replay_endpoint", None)
+        fleet.append(_settings(values))
+    for s in fleet:
+        line = {"url": f"http://{s.host}:{s.port}", "kv_events_endpoint": s.kv_events_endpoint}
+        print(json.dumps(line), flush=True)
+    asyncio.run(serve_many(fleet, log_level="debug" if args.verbose else "warning"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool worker", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -68,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    _settings_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("sim-fleet", help="run N simulated workers in one process")
+    p.add_argument("--count", type=int, required=True, help="how many workers")
+    p.add_argument("--base-port", type=int, default=8100, help="HTTP port of the first")
+    p.add_argument(
+        "--kv-events-base-port",
+        type=int,
+        default=None,
+        help="ZMQ event port of the first (default: no events)",
+    )
+    _settings_arguments(p, skip=("port", "engine", "kv_events_endpoint"))
+    p.set_defaults(func=_cmd_sim_fleet)
     return parser
 
 

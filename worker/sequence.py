@@ -78,6 +78,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
+    token_seed: int = 0  # the simulated engine's output tokens derive from it
     pin_blocks: bool = False  # a prefill for a decode worker: keep its blocks when done
 
     @property

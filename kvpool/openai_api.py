@@ -1,0 +1,245 @@
+"""The HTTP contract between clients, the router and workers (contracts 3 and 4).
+
+Request bodies of the OpenAI API as workers and the router accept them (with vLLM's
+extensions: ``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``,
+``kv_transfer_params`` ...), the error body, the prefill/decode hand-off parameters, and
+the worker's info document. Validation is strict: a wrong type or an unknown field is a
+400 that names the field, never a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "KVEventsInfo",
+    "KVTransferParams",
+    "OpenAIError",
+    "StreamOptions",
+    "TokenizeRequest",
+    "WorkerInfo",
+    "parse_request",
+]
+
+Role = Literal["both", "prefill", "decode"]
+M = TypeVar("M", bound=BaseModel)
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's error body and an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.code, self.param, self.headers = code, param, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class KVTransferParams(BaseModel):
+    """vLLM's disaggregated-serving fields. Extra fields (a connector's own) pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_block_ids: list[int] | None = None
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+
+
+Stop = str | list[str] | None
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first accepted-but-unsupported setting, as (field, why)."""
+        if self.n != 1:
+            return "n", "only n=1 is supported; send the request again for more choices"
+        if self.presence_penalty or self.frequency_penalty:
+            field = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return field, "penalties are not supported"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options is only allowed with stream=true"
+        return None
+
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        return super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return (
+                "continue_final_message",
+                "continue_final_message needs add_generation_prompt=false",
+            )
+        return super().unsupported()
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class KVEventsInfo(BaseModel):
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    encoding: Literal["array", "map"] = "array"
+
+
+class WorkerInfo(BaseModel):
+    """What a router checks before it trusts a worker's blocks: ``GET /kvpool/info``."""
+
+    served_model_name: str
+    engine: Literal["kvpool", "sim", "vllm"]
+    role: Role
+    block_size: int
+    hash_seed: str
+    hash_algo: str
+    max_model_len: int
+    num_blocks: int
+    kv_events: KVEventsInfo | None = None
+    kv_transfer_engine_id: str
+    version: str
+
+
+def parse_request(model: type[M], body: bytes) -> M:
+    """Validate a JSON body; raise :class:`OpenAIError` (400) naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise OpenAIError(
+                400, f"the body is not valid JSON: {err['msg']}", code="invalid_json"
+            ) from None
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            message = f"unrecognized request argument: {param}"
+        elif err["type"] == "missing":
+            message = f"missing required argument: {param}"
+        else:
+            message = f"{param}: {err['msg']}" if param else err["msg"]
+        raise OpenAIError(400, message, code="invalid_value", param=param) from None

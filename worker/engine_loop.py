@@ -1,0 +1,193 @@
+"""The engine in its own thread, and the asyncio side's door to it.
+
+The server never calls the engine directly: a forward pass holds the engine for tens of
+milliseconds, and an event loop that waited on it would stall every connection. Instead
+each call (submit, abort, unpin, import) goes into a command queue; the engine thread runs
+the queued commands between steps, steps while there is work, and hands results back to
+the event loop in one batch per step (one wake-up of the loop per step, not per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .engine import EngineCore, EngineStats, PreparedRequest, RequestOutput, RequestStream
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_STOP = object()
+
+
+@dataclass
+class TimedOutput:
+    output: RequestOutput
+    time: float  # time.monotonic() when the engine produced it
+
+
+class _LoopStream(RequestStream):
+    """A request stream whose outputs are handed to an asyncio queue by the engine loop."""
+
+    def __init__(self, owner: EngineLoop, prepared: PreparedRequest) -> None:
+        super().__init__(prepared.request_id, prepared.prompt_token_ids)
+        self.owner = owner
+        self.queue: asyncio.Queue[TimedOutput] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> None:  # called in the engine thread
+        self.ended = self.ended or output.finished
+        self.owner._post(self.queue.put_nowait, TimedOutput(output, time.monotonic()))
+
+
+class EngineLoop:
+    """Owns the engine's thread. Start and stop it from the event loop that uses it."""
+
+    def __init__(
+        self, engine: EngineCore, *, name: str = "engine", pin_check_interval_s: float = 1.0
+    ) -> None:
+        self.engine = engine
+        self.name = name
+        self.pin_check_interval_s = pin_check_interval_s
+        self.stats: EngineStats = engine.stats  # a snapshot, renewed after every step
+        self.prompt_token_rate = 0.0  # prompt tokens admitted per second, smoothed
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._outbox: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self._outbox_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.on_pins_expired: Callable[[list[str]], None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever still runs and end the thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self._drain_outbox()
+
+    # -- calls from the event loop -------------------------------------------------------
+    def call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(*args)`` in the engine thread between steps; await the result."""
+        assert self._loop is not None, "the engine loop is not started"
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put((fn, args, future))
+        return future
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Like :meth:`call`, for calls nobody waits on (an abort, an unpin)."""
+        self._commands.put((fn, args, None))
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[TimedOutput]:
+        """Submit a request and yield its outputs. Leaving the iteration early (a client
+        that went away, a cancelled task) aborts the request and frees its blocks."""
+        stream = _LoopStream(self, prepared)
+        await self.call(self.engine.submit, prepared, stream)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                finished = item.output.finished
+                yield item
+        finally:
+            if not finished:
+                self.call_soon(self.engine.abort, prepared.request_id)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._outbox_lock:
+            self._outbox.append((fn, args))
+
+    def _flush(self) -> None:
+        with self._outbox_lock:
+            if not self._outbox:
+                return
+        if self._loop is not None and not self._loop.is_closed():
+            with suppress(RuntimeError):  # the loop closed in between
+                self._loop.call_soon_threadsafe(self._drain_outbox)
+
+    def _drain_outbox(self) -> None:
+        with self._outbox_lock:
+            items, self._outbox = self._outbox, []
+        for fn, args in items:
+            fn(*args)
+
+    def _run_command(self, command: Any) -> None:
+        fn, args, future = command
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            if future is None:
+                log.exception("engine command %s failed", getattr(fn, "__name__", fn))
+            else:
+                self._post(_settle, future, None, exc)
+            return
+        if future is not None:
+            self._post(_settle, future, result, None)
+
+    def _run(self) -> None:
+        engine = self.engine
+        next_pin_check = time.monotonic() + self.pin_check_interval_s
+        last_prompt_tokens, last_time = self.stats.prompt_tokens, time.monotonic()
+        stopping = False
+        while not stopping:
+            commands: list[Any] = []
+            if not engine.has_unfinished():
+                with suppress(queue.Empty):
+                    commands.append(self._commands.get(timeout=self.pin_check_interval_s))
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    stopping = True
+                    continue
+                self._run_command(command)
+            if stopping:
+                for request_id in list(engine._requests):
+                    engine.abort(request_id)
+            elif engine.has_unfinished():
+                engine.step()
+            now = time.monotonic()
+            if now >= next_pin_check:
+                next_pin_check = now + self.pin_check_interval_s
+                expired = engine.expire_pins(now)
+                if expired:
+                    log.warning(
+                        "freed the pinned blocks of %d prefill(s) nobody pulled: %s",
+                        len(expired),
+                        ", ".join(expired[:5]),
+                    )
+                    if self.on_pins_expired is not None:
+                        self._post(self.on_pins_expired, expired)
+            self.stats = stats = engine.stats
+            if now - last_time >= 0.5:
+                rate = (stats.prompt_tokens - last_prompt_tokens) / (now - last_time)
+                self.prompt_token_rate = 0.5 * self.prompt_token_rate + 0.5 * rate
+                last_prompt_tokens, last_time = stats.prompt_tokens, now
+            self._flush()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

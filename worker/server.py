@@ -1,0 +1,1004 @@
+"""The worker's HTTP server: the OpenAI API (contract 3), metrics (contract 5), KV events
+(contract 2), the prefill/decode hand-off (contract 4) and an info document for routers.
+
+A thin shell: handlers validate the body, turn it into engine requests, and stream the
+engine loop's outputs back. Every refusal is OpenAI's error JSON with the status a client
+expects; nothing a client sends can stop the server from serving the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool import __version__
+from kvpool.hashing import HASH_ALGORITHM
+from kvpool.kv_events import EventPublisher
+from kvpool.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    KVEventsInfo,
+    KVTransferParams,
+    OpenAIError,
+    TokenizeRequest,
+    WorkerInfo,
+    parse_request,
+)
+
+from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
+from .engine_loop import EngineLoop, TimedOutput
+from .kv_transfer import TransferError, TransferHeader, pull_blocks, stream_blocks
+from .metrics import RequestTimer, WorkerMetrics
+from .sequence import SamplingParams
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EventSink | None], EngineCore]
+
+
+def default_engine_factory(settings: WorkerSettings) -> EngineFactory:
+    def make(sink: EventSink | None) -> EngineCore:
+        if settings.engine == "sim":
+            from .sim import SimEngine
+
+            return SimEngine.from_model_dir(
+                settings.model,
+                settings.engine_config(),
+                timing=settings.timing(),
+                max_model_len=settings.max_model_len,
+                event_sink=sink,
+            )
+        from .engine import LLMEngine
+
+        return LLMEngine.from_pretrained(settings.model, settings.engine_config(), sink)
+
+    return make
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request: its engine requests and how to answer."""
+
+    id: str
+    kind: str  # "completion" or "chat"
+    created: int
+    arrival: float
+    prepared: list[PreparedRequest]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    transfer: KVTransferParams | None
+    cache_salt: str | None
+    queued_tokens: int = 0
+    texts: list[list[str]] = field(default_factory=list)
+
+
+class WorkerServer:
+    def __init__(
+        self, settings: WorkerSettings, engine_factory: EngineFactory | None = None
+    ) -> None:
+        self.settings = settings
+        self.model_name = settings.model_name
+        self.engine_factory = engine_factory or default_engine_factory(settings)
+        self.engine: EngineCore | None = None
+        self.loop: EngineLoop | None = None
+        self.publisher: EventPublisher | None = None
+        self.metrics: WorkerMetrics | None = None
+        self.load_error: str | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.queued_tokens = 0  # prompt tokens submitted and not yet prefilled
+        self.engine_id = uuid.uuid4().hex[:16]
+        self.created = int(time.time())
+        self._idle = asyncio.Event()
+        self._load_task: asyncio.Task[None] | None = None
+        self._http: httpx.AsyncClient | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def startup(self) -> None:
+        self._idle.set()
+        self._http = httpx.AsyncClient(timeout=self.settings.kv_transfer_timeout_s)
+        self._load_task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        s = self.settings
+        try:
+            sink = None
+            if s.kv_events_endpoint:
+                self.publisher = EventPublisher(
+                    s.kv_events_endpoint,
+                    s.kv_events_replay_endpoint,
+                    topic=s.kv_events_topic,
+                    encoding=s.kv_events_encoding,
+                )
+                await asyncio.to_thread(self.publisher.start)
+                sink = self.publisher.publish
+            engine = await asyncio.to_thread(self.engine_factory, sink)
+            loop = EngineLoop(engine, name=f"engine-{self.model_name}")
+            metrics = WorkerMetrics(
+                self.model_name,
+                lambda: loop.stats,
+                {
+                    "block_size": str(engine.pool.block_size),
+                    "num_gpu_blocks": str(engine.pool.num_blocks),
+                    "enable_prefix_caching": str(engine.config.enable_prefix_caching),
+                    "cache_dtype": engine.kv_layout.dtype,
+                },
+            )
+            loop.on_pins_expired = lambda ids: metrics.kv_pins_expired.inc(len(ids))
+            loop.start()
+            self.engine, self.loop, self.metrics = engine, loop, metrics
+            log.info(
+                "%s ready: %s engine, role %s, %d blocks of %d tokens, context %d",
+                self.model_name,
+                s.engine,
+                s.role,
+                engine.pool.num_blocks,
+                engine.pool.block_size,
+                engine.max_model_len,
+            )
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("the model did not load; /health will answer 503")
+
+    async def shutdown(self) -> None:
+        self.draining = True
+        if self._load_task is not None:
+            await self._load_task
+        if self.loop is not None:
+            await self.loop.stop()
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.close)
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Stop taking requests and wait for those in flight (up to ``timeout``)."""
+        self.draining = True
+        timeout = self.settings.drain_timeout_s if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    # -- the app -------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.startup()
+            yield
+            await self.shutdown()
+
+        app = FastAPI(title="kvpool worker", version=__version__, lifespan=lifespan)
+        app.state.worker = self
+
+        @app.exception_handler(OpenAIError)
+        async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            err = OpenAIError(
+                exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind
+            )
+            return JSONResponse(err.body(), status_code=exc.status_code)
+
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/kvpool/info", self.info, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/drain", self.drain_endpoint, methods=["POST"])
+        app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
+        app.add_api_route("/kv/{request_id}", self.get_kv, methods=["GET"])
+        app.add_api_route("/kv/{request_id}", self.delete_kv, methods=["DELETE"])
+        return app
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _ready(self) -> tuple[EngineCore, EngineLoop, WorkerMetrics]:
+        if self.load_error is not None:
+            raise OpenAIError(
+                503,
+                f"the model failed to load: {self.load_error}",
+                type="service_unavailable",
+                code="load_failed",
+            )
+        if self.engine is None or self.loop is None or self.metrics is None:
+            raise OpenAIError(
+                503,
+                "the model is still loading",
+                type="service_unavailable",
+                code="loading",
+                headers={"Retry-After": "5"},
+            )
+        return self.engine, self.loop, self.metrics
+
+    def _serving(self) -> tuple[EngineCore, EngineLoop, WorkerMetrics]:
+        ready = self._ready()
+        if self.draining:
+            raise OpenAIError(
+                503,
+                "this worker is draining and takes no new requests",
+                type="service_unavailable",
+                code="draining",
+            )
+        return ready
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise self._too_large(int(declared))
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise self._too_large(len(body))
+        return bytes(body)
+
+    def _too_large(self, size: int) -> OpenAIError:
+        if self.metrics is not None:
+            self.metrics.reject("body_too_large")
+        return OpenAIError(
+            413,
+            f"the request body has at least {size} bytes; the limit is "
+            f"{self.settings.max_request_body_bytes}",
+            code="request_too_large",
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist here; this worker serves {self.model_name!r}",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+
+    # -- small endpoints -----------------------------------------------------------------
+    async def health(self) -> JSONResponse:
+        self._serving()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        _, _, metrics = self._ready()
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self) -> JSONResponse:
+        max_len = self.engine.max_model_len if self.engine is not None else None
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvpool",
+            "root": self.settings.model,
+            "parent": None,
+            "max_model_len": max_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def info(self) -> JSONResponse:
+        engine, _, _ = self._ready()
+        events = None
+        if self.publisher is not None:
+            replay = self.publisher.replay_endpoint
+            events = KVEventsInfo(
+                endpoint=self.settings.advertise(self.publisher.endpoint),
+                replay_endpoint=self.settings.advertise(replay) if replay else None,
+                topic=self.settings.kv_events_topic,
+                encoding=self.settings.kv_events_encoding,
+            )
+        info = WorkerInfo(
+            served_model_name=self.model_name,
+            engine=self.settings.engine,
+            role=self.settings.role,
+            block_size=engine.pool.block_size,
+            hash_seed=engine.hasher.hash_seed,
+            hash_algo=HASH_ALGORITHM,
+            max_model_len=engine.max_model_len,
+            num_blocks=engine.pool.num_blocks,
+            kv_events=events,
+            kv_transfer_engine_id=self.engine_id,
+            version=__version__,
+        )
+        return JSONResponse(info.model_dump())
+
+    async def drain_endpoint(self) -> JSONResponse:
+        drained = await self.drain()
+        return JSONResponse({"drained": drained, "in_flight": self.in_flight})
+
+    async def reset_prefix_cache(self) -> JSONResponse:
+        engine, loop, _ = self._ready()
+        if not await loop.call(engine.reset_prefix_cache):
+            raise OpenAIError(
+                409, "requests are running or blocks are pinned; try again idle", code="busy"
+            )
+        return JSONResponse({"reset": True})
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        engine, _, _ = self._ready()
+        req = parse_request(TokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            tokens = await asyncio.to_thread(
+                self._render_chat, engine, messages, req.add_generation_prompt, False, None
+            )
+        else:
+            tokenizer = self._tokenizer(engine)
+            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        engine, _, _ = self._ready()
+        req = parse_request(DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        try:
+            engine._check_vocabulary(req.tokens, "token id")
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="tokens") from None
+        return JSONResponse({"prompt": self._tokenizer(engine).decode(req.tokens)})
+
+    @staticmethod
+    def _tokenizer(engine: EngineCore) -> Any:
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this worker has no tokenizer", code="no_tokenizer")
+        return engine.tokenizer
+
+    # -- KV hand-off: the prefill side ---------------------------------------------------
+    async def get_kv(self, request_id: str) -> StreamingResponse:
+        engine, loop, metrics = self._ready()
+        pin = await loop.call(engine.open_pinned, request_id)
+        if pin is None:
+            raise OpenAIError(
+                404,
+                f"no pinned blocks for request {request_id!r} (pulled, freed, or timed out)",
+                type="not_found_error",
+                code="kv_not_found",
+            )
+        layout = engine.kv_layout
+        header = TransferHeader(
+            request_id=request_id,
+            dtype=layout.dtype,
+            block_shape=layout.block_shape,
+            layout=layout.layout,
+            block_bytes=layout.block_bytes,
+            block_size=engine.pool.block_size,
+            num_prompt_tokens=pin.num_prompt_tokens,
+            block_hashes=pin.block_keys,
+        )
+
+        async def read(ids: list[int]) -> bytes:
+            return await asyncio.to_thread(engine.read_blocks, ids)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream_blocks(header, pin.block_ids, read):
+                    yield chunk
+                metrics.transferred("sent", len(pin.block_ids), header.body_bytes)
+            finally:
+                loop.call_soon(engine.close_pinned, pin)
+
+        size = len(header.encode()) + header.body_bytes
+        return StreamingResponse(
+            body(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
+
+    async def delete_kv(self, request_id: str) -> JSONResponse:
+        engine, loop, _ = self._ready()
+        if not await loop.call(engine.unpin, request_id):
+            raise OpenAIError(
+                404,
+                f"no pinned blocks for request {request_id!r}",
+                type="not_found_error",
+                code="kv_not_found",
+            )
+        return JSONResponse({"freed": request_id})
+
+    # -- KV hand-off: the decode side ----------------------------------------------------
+    async def _pull_remote_prefill(
+        self, prepared: PreparedRequest, transfer: KVTransferParams, cache_salt: str | None
+    ) -> None:
+        """Fetch a prefill worker's blocks into this cache; on any failure, log and count
+        it, and let the request compute its prefill here."""
+        engine, loop, metrics = self._ready()
+        url = (
+            f"http://{transfer.remote_host}:{transfer.remote_port}/kv/{transfer.remote_request_id}"
+        )
+        start = time.monotonic()
+        try:
+            assert self._http is not None
+            header, data = await pull_blocks(
+                self._http, url, timeout=self.settings.kv_transfer_timeout_s
+            )
+            mine = engine.kv_layout
+            theirs = (header.dtype, header.block_shape, header.layout, header.block_size)
+            ours = (mine.dtype, mine.block_shape, mine.layout, engine.pool.block_size)
+            if theirs != ours:
+                raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
+            stored = await loop.call(
+                engine.import_blocks,
+                prepared.prompt_token_ids,
+                header.block_hashes,
+                data,
+                cache_salt=cache_salt,
+            )
+            metrics.kv_pull_seconds.observe(time.monotonic() - start)
+            metrics.transferred("received", len(header.block_hashes), len(data))
+            log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
+        except (TransferError, ValueError) as exc:
+            metrics.kv_transfer_fallbacks.inc()
+            log.warning(
+                "request %s: remote prefill unusable, computing it here: %s",
+                prepared.request_id,
+                exc,
+            )
+        finally:
+            asyncio.create_task(self._release_remote(url))  # noqa: RUF006
+
+    async def _release_remote(self, url: str) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            assert self._http is not None
+            await self._http.delete(url, timeout=5.0)
+
+    # -- generation ----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(CompletionRequest, await self._body(request))
+        job = await self._job(request, req, "completion")
+        return await self._answer(request, job)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await self._body(request))
+        job = await self._job(request, req, "chat")
+        return await self._answer(request, job)
+
+    async def _job(
+        self, request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str
+    ) -> _Job:
+        arrival = time.monotonic()
+        self._check_model(req.model)
+        engine, _, metrics = self._serving()
+        bad = req.unsupported()
+        if bad is not None:
+            raise OpenAIError(400, f"{bad[0]}: {bad[1]}", code="unsupported", param=bad[0])
+        transfer = req.kv_transfer_params
+        if transfer is not None:
+            self._check_transfer(transfer, req.stream)
+        base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if isinstance(req, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+            try:
+                ids = await asyncio.to_thread(
+                    self._render_chat,
+                    engine,
+                    messages,
+                    req.add_generation_prompt,
+                    req.continue_final_message,
+                    req.chat_template_kwargs,
+                )
+            except OpenAIError:
+                raise
+            prompts: list[str | list[int]] = [ids]
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            prompts = req.prompts()
+            if not prompts:
+                raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+            logprobs = req.logprobs
+            max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        if transfer is not None and transfer.do_remote_decode and len(prompts) != 1:
+            raise OpenAIError(
+                400,
+                "kv_transfer_params: a prefill request has one prompt",
+                param="kv_transfer_params",
+            )
+        prepared: list[PreparedRequest] = []
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            prepared.append(
+                await asyncio.to_thread(
+                    self._prepare, engine, prompt, req, max_tokens, logprobs, rid, transfer
+                )
+            )
+        job = _Job(
+            id=("chatcmpl-" if kind == "chat" else "cmpl-") + base_id,
+            kind=kind,
+            created=int(time.time()),
+            arrival=arrival,
+            prepared=prepared,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            logprobs=logprobs,
+            transfer=transfer,
+            cache_salt=req.cache_salt,
+        )
+        self._admit(job, metrics)
+        return job
+
+    def _check_transfer(self, transfer: KVTransferParams, stream: bool) -> None:
+        role = self.settings.role
+        if transfer.do_remote_decode:
+            if role == "decode":
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_decode: this worker's role "
+                    "is decode; send prefills to a prefill or both worker",
+                    param="kv_transfer_params",
+                )
+            if stream:
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_decode: the prefill leg "
+                    "answers once; use stream=false",
+                    param="stream",
+                )
+        if transfer.do_remote_prefill:
+            if role == "prefill":
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_prefill: this worker's role is prefill",
+                    param="kv_transfer_params",
+                )
+            missing = [
+                name
+                for name in ("remote_host", "remote_port", "remote_request_id")
+                if getattr(transfer, name) is None
+            ]
+            if missing:
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_prefill needs " + ", ".join(missing),
+                    param="kv_transfer_params",
+                )
+
+    def _render_chat(
+        self,
+        engine: EngineCore,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        tokenizer = self._tokenizer(engine)
+        for m in messages:
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(part["text"] for part in m["content"])
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(kwargs or {}),
+            )
+        except Exception as exc:  # a template raises whatever Jinja raises
+            raise OpenAIError(
+                400, f"messages: the chat template failed: {exc}", param="messages"
+            ) from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _prepare(
+        self,
+        engine: EngineCore,
+        prompt: str | list[int],
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        request_id: str,
+        transfer: KVTransferParams | None,
+    ) -> PreparedRequest:
+        try:
+            ids = engine.prompt_tokens_of(prompt)
+            engine.check_prompt_length(len(ids))
+        except PromptTooLong as exc:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is "
+                f"{exc.max_model_len} tokens, and the prompt has "
+                f"{exc.num_tokens} tokens: {exc}",
+                code="context_length_exceeded",
+                param="prompt" if req.__class__ is CompletionRequest else "messages",
+            ) from None
+        except ValueError as exc:
+            raise OpenAIError(400, f"prompt: {exc}", param="prompt") from None
+        room = engine.max_model_len - len(ids)
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is "
+                f"{engine.max_model_len} tokens; the prompt has {len(ids)} and "
+                f"max_tokens asks for {max_tokens} more ({len(ids) + max_tokens} "
+                f"in all)",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k or 0,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+                stop=stop,
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+            return engine.prepare(
+                ids,
+                params,
+                request_id,
+                cache_salt=req.cache_salt,
+                pin_blocks=bool(transfer and transfer.do_remote_decode),
+            )
+        except ValueError as exc:
+            param = str(exc).split("=", 1)[0].split(" ", 1)[0]
+            raise OpenAIError(400, str(exc), param=param) from None
+
+    def _admit(self, job: _Job, metrics: WorkerMetrics) -> None:
+        """Bound the work waiting for prefill: beyond the limit, 429 with a Retry-After from
+        the recent prefill rate, so latency does not grow without bound."""
+        tokens = sum(len(p.prompt_token_ids) for p in job.prepared)
+        limit = self.settings.waiting_token_limit
+        if self.queued_tokens and self.queued_tokens + tokens > limit:
+            assert self.loop is not None
+            rate = self.loop.prompt_token_rate
+            wait = self.queued_tokens / rate if rate > 0 else 1.0
+            retry = max(1, min(60, math.ceil(wait)))
+            metrics.reject("overloaded")
+            raise OpenAIError(
+                429,
+                f"this worker has {self.queued_tokens} prompt tokens waiting "
+                f"(limit {limit}); retry in {retry} s",
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": str(retry)},
+            )
+        job.queued_tokens = tokens
+        self.queued_tokens += tokens
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _done(self, job: _Job) -> None:
+        self.queued_tokens -= job.queued_tokens
+        job.queued_tokens = 0
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def _prefilled(self, job: _Job, prepared: PreparedRequest) -> None:
+        n = min(job.queued_tokens, len(prepared.prompt_token_ids))
+        job.queued_tokens -= n
+        self.queued_tokens -= n
+
+    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, TimedOutput]]:
+        """All the job's engine outputs as they come, tagged with their choice index."""
+        _, loop, metrics = self._ready()
+        merged: asyncio.Queue[tuple[int, TimedOutput] | BaseException] = asyncio.Queue()
+
+        async def run(index: int, prepared: PreparedRequest) -> None:
+            try:
+                t = job.transfer
+                if t is not None and t.do_remote_prefill:
+                    await self._pull_remote_prefill(prepared, t, job.cache_salt)
+                timer = RequestTimer(metrics, job.arrival)
+                first = True
+                async for item in loop.generate(prepared):
+                    if first:
+                        self._prefilled(job, prepared)
+                        first = False
+                    timer.observe(item.output, item.time)
+                    merged.put_nowait((index, item))
+            except Exception as exc:
+                merged.put_nowait(exc)
+
+        tasks = [asyncio.create_task(run(i, p)) for i, p in enumerate(job.prepared)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                got = await merged.get()
+                if isinstance(got, BaseException):
+                    raise got
+                if got[1].output.finished:
+                    remaining -= 1
+                yield got
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(self, request: Request, job: _Job) -> Response:
+        headers = {"X-Request-Id": job.id.split("-", 1)[1]}
+        if job.stream:
+            return StreamingResponse(
+                self._sse(job), media_type="text/event-stream", headers=headers
+            )
+        collect = asyncio.create_task(self._collect(job))
+        gone = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or we were cancelled): stop its requests
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+        if collect.cancelled():
+            return Response(status_code=499)  # nobody is listening
+        return JSONResponse(collect.result(), headers=headers)
+
+    async def _collect(self, job: _Job) -> dict[str, Any]:
+        n = len(job.prepared)
+        texts = [""] * n
+        outs: list[list[RequestOutput]] = [[] for _ in range(n)]
+        try:
+            async for i, item in self._outputs(job):
+                outs[i].append(item.output)
+                texts[i] += item.output.new_text
+        finally:
+            self._done(job)
+        choices = []
+        for i in range(n):
+            last = outs[i][-1]
+            if last.finish_reason == "error":
+                raise OpenAIError(
+                    500,
+                    "the engine failed while running this request",
+                    type="server_error",
+                    code="engine_error",
+                )
+            lps = [lp for o in outs[i] for lp in o.logprobs]
+            choices.append(self._choice(job, i, texts[i], last, lps, final=True))
+        body: dict[str, Any] = {
+            "id": job.id,
+            "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self._usage([o[-1] for o in outs]),
+        }
+        if job.transfer is not None and job.transfer.do_remote_decode:
+            body["kv_transfer_params"] = await self._transfer_params(job.prepared[0])
+        return body
+
+    async def _transfer_params(self, prepared: PreparedRequest) -> dict[str, Any] | None:
+        engine, loop, _ = self._ready()
+        pin = await loop.call(engine.pinned, prepared.request_id)
+        if pin is None:
+            return None
+        return KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=pin.block_ids,
+            remote_engine_id=self.engine_id,
+            remote_request_id=prepared.request_id,
+            remote_host=self.settings.advertised_host(),
+            remote_port=self.port,
+        ).model_dump()
+
+    @property
+    def port(self) -> int:
+        return getattr(self, "_bound_port", None) or self.settings.port
+
+    def _usage(self, lasts: list[RequestOutput]) -> dict[str, Any]:
+        prompt = sum(o.num_prompt_tokens for o in lasts)
+        completion = sum(o.num_output_tokens for o in lasts)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in lasts)},
+        }
+
+    def _choice(
+        self, job: _Job, index: int, text: str, out: RequestOutput, lps: list[Any], *, final: bool
+    ) -> dict[str, Any]:
+        finish = out.finish_reason if out.finished else None
+        logprobs = self._logprobs(job, lps) if job.logprobs is not None else None
+        if job.kind == "chat":
+            choice: dict[str, Any] = {"index": index}
+            if final:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["delta"] = {"content": text} if text else {}
+            choice.update(logprobs=logprobs, finish_reason=finish)
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        return choice
+
+    def _logprobs(self, job: _Job, lps: list[Any]) -> dict[str, Any]:
+        tokenizer = self.engine.tokenizer if self.engine is not None else None
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+        if job.kind == "chat":
+            content = []
+            for lp in lps:
+                t = text(lp.token_id)
+                top = [
+                    {"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
+                    for i, v in lp.top
+                ]
+                content.append(
+                    {
+                        "token": t,
+                        "logprob": lp.logprob,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": top,
+                    }
+                )
+            return {"content": content}
+        tokens = [text(lp.token_id) for lp in lps]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{text(i): v for i, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+            body: dict[str, Any] = {
+                "id": job.id,
+                "object": obj,
+                "created": job.created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if job.include_usage:
+                body["usage"] = usage
+            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+        lasts: dict[int, RequestOutput] = {}
+        try:
+            if job.kind == "chat":
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(len(job.prepared))
+                    ]
+                )
+            async for i, item in self._outputs(job):
+                out = item.output
+                if out.finish_reason == "error":
+                    err = OpenAIError(
+                        500,
+                        "the engine failed while running this request",
+                        type="server_error",
+                        code="engine_error",
+                    )
+                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                    return
+                if out.finished:
+                    lasts[i] = out
+                if out.new_text or out.finished or job.logprobs is not None:
+                    yield chunk(
+                        [self._choice(job, i, out.new_text, out, out.logprobs, final=False)]
+                    )
+            if job.include_usage:
+                yield chunk([], self._usage(list(lasts.values())))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._done(job)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- running it ------------------------------------------------------------------------------
+class _Uvicorn(uvicorn.Server):
+    """A uvicorn server that starts draining its worker on SIGTERM/SIGINT; with
+    ``own_signals=False`` (several servers in one process) signals are left to the caller."""
+
+    def __init__(self, config: uvicorn.Config, worker: WorkerServer, own_signals: bool = True):
+        super().__init__(config)
+        self.worker = worker
+        self.own_signals = own_signals
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        if self.own_signals:
+            return super().capture_signals()
+        return contextlib.nullcontext()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.worker.draining:
+            log.info(
+                "signal %s: draining for up to %.0f s", sig, self.worker.settings.drain_timeout_s
+            )
+        self.worker.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                self.worker._bound_port = sock.getsockname()[1]
+
+
+def uvicorn_server(
+    worker: WorkerServer, *, own_signals: bool = True, log_level: str = "warning"
+) -> _Uvicorn:
+    s = worker.settings
+    config = uvicorn.Config(
+        worker.app,
+        host=s.host,
+        port=s.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s) or None,
+        access_log=False,
+        lifespan="on",
+    )
+    return _Uvicorn(config, worker, own_signals)
+
+
+def serve(settings: WorkerSettings, log_level: str = "info") -> None:
+    """Run one worker until SIGTERM/SIGINT, then drain."""
+    worker = WorkerServer(settings)
+    uvicorn_server(worker, log_level=log_level).run()
+
+
+async def serve_many(all_settings: list[WorkerSettings], log_level: str = "warning") -> None:
+    """Run several workers in one process and one event loop (the simulated fleet)."""
+    servers = [
+        uvicorn_server(WorkerServer(s), own_signals=False, log_level=log_level)
+        for s in all_settings
+    ]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: [s.handle_exit(sig, None) for s in servers])
+    await asyncio.gather(*(s.serve() for s in servers))

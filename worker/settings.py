@@ -1,0 +1,125 @@
+"""The worker server's settings: one validated object, from flags and ``KVPOOL_*`` variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+
+from .engine import EngineConfig
+from .sim import TimingModel
+
+_WILDCARDS = {"", "0.0.0.0", "::", "*"}
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="a Hugging Face model directory")
+    served_model_name: str | None = None  # default: the directory's name
+    engine: Literal["kvpool", "sim"] = "kvpool"
+    role: Literal["both", "prefill", "decode"] = "both"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # engine
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
+    hash_seed: str = DEFAULT_HASH_SEED
+    num_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=2)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # serving
+    max_waiting_tokens: int | None = Field(None, ge=1)  # default: 8 steps' worth of tokens
+    max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # KV events
+    kv_events_endpoint: str | None = None  # e.g. tcp://*:5557; None: no events
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_encoding: Literal["array", "map"] = "array"
+    # prefill/decode hand-off
+    kv_pin_timeout_s: float = Field(30.0, gt=0)
+    kv_transfer_host: str | None = None  # the address decode workers reach us at
+    kv_transfer_timeout_s: float = Field(30.0, gt=0)
+    # the simulated engine's timing model (milliseconds; see kvpool.worker.sim)
+    sim_a: float = TimingModel.a
+    sim_b: float = TimingModel.b
+    sim_c: float = TimingModel.c
+    sim_d: float = TimingModel.d
+    sim_e: float = TimingModel.e
+    sim_f: float = TimingModel.f
+    sim_time_scale: float = Field(TimingModel.time_scale, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model} is not a model directory (no config.json)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def waiting_token_limit(self) -> int:
+        return self.max_waiting_tokens or 8 * self.max_num_batched_tokens
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            hash_seed=self.hash_seed,
+            num_blocks=self.num_blocks,
+            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            kv_pin_timeout_s=self.kv_pin_timeout_s,
+        )
+
+    def timing(self) -> TimingModel:
+        return TimingModel(
+            self.sim_a,
+            self.sim_b,
+            self.sim_c,
+            self.sim_d,
+            self.sim_e,
+            self.sim_f,
+            self.sim_time_scale,
+        )
+
+    def advertised_host(self) -> str:
+        """Where other workers reach this one: the flag, else the pod's IP, else the bind
+        address (or this host's address when bound to all interfaces)."""
+        if self.kv_transfer_host:
+            return self.kv_transfer_host
+        if os.environ.get("POD_IP"):
+            return os.environ["POD_IP"]
+        if self.host not in _WILDCARDS:
+            return self.host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    def advertise(self, endpoint: str) -> str:
+        """A bound ZMQ endpoint as others can reach it."""
+        for wildcard in ("0.0.0.0", "*", "[::]"):
+            endpoint = endpoint.replace(f"//{wildcard}:", f"//{self.advertised_host()}:")
+        return endpoint
