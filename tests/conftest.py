@@ -4,10 +4,12 @@ import asyncio
 import json
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import zmq
 
@@ -226,16 +228,106 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine_factory(llama_dir: Path) -> Callable[..., Any]:
-    """New engines over one loaded model (each with its own KV cache and pool)."""
-    from kvpool.worker.engine import EngineConfig, LLMEngine
+def tiny_model(llama_dir: Path) -> tuple[Any, Any]:
+    """The test model and tokenizer, loaded once (engines share the weights)."""
     from kvpool.worker.loader import load_model, load_tokenizer
 
-    model = load_model(llama_dir, dtype="float32")
-    tokenizer = load_tokenizer(llama_dir)
+    return load_model(llama_dir, dtype="float32"), load_tokenizer(llama_dir)
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tiny_model: tuple[Any, Any]) -> Callable[..., Any]:
+    """New engines over one loaded model (each with its own KV cache and pool)."""
+    from kvpool.worker.engine import EngineConfig, LLMEngine
+
+    model, tokenizer = tiny_model
 
     def make(event_sink: Any = None, **config: Any) -> LLMEngine:
         config.setdefault("num_blocks", 128)
         return LLMEngine(model, tokenizer, EngineConfig(device="cpu", **config), event_sink)
 
     return make
+
+
+class RunningWorker:
+    """A worker server on 127.0.0.1 in a thread of the test process (its engine is reachable
+    as ``.engine`` for checks against the server's answers)."""
+
+    def __init__(self, worker: Any, server: Any) -> None:
+        self.worker, self.server = worker, server
+        self.thread = threading.Thread(target=server.run, name="test-worker", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not (server.started and (worker.engine is not None or worker.load_error)):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the worker did not start")
+            time.sleep(0.01)
+        self.port = worker.port
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine(self) -> Any:
+        return self.worker.engine
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of ``/metrics`` (parsed by prometheus_client), by name and labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        labels.setdefault("model_name", self.worker.model_name)
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not met in time")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def start_worker(
+    llama_dir: Path, tiny_model: tuple[Any, Any]
+) -> Iterator[Callable[..., RunningWorker]]:
+    """Start worker servers (settings as keywords; the test model by default)."""
+    from kvpool.worker.engine import LLMEngine
+    from kvpool.worker.server import WorkerServer, uvicorn_server
+    from kvpool.worker.settings import WorkerSettings
+
+    running: list[RunningWorker] = []
+
+    def start(engine_factory: Any = None, **values: Any) -> RunningWorker:
+        values.setdefault("model", str(llama_dir))
+        values.setdefault("port", 0)
+        values.setdefault("num_blocks", 128)
+        values.setdefault("device", "cpu")
+        settings = WorkerSettings(**values)
+        if engine_factory is None and settings.engine == "kvpool":
+            model, tokenizer = tiny_model
+
+            def engine_factory(sink: Any) -> Any:
+                return LLMEngine(model, tokenizer, settings.engine_config(), sink)
+
+        worker = WorkerServer(settings, engine_factory)
+        running.append(RunningWorker(worker, uvicorn_server(worker, own_signals=False)))
+        return running[-1]
+
+    yield start
+    for w in running:
+        w.stop()

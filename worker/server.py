@@ -739,6 +739,10 @@ class WorkerServer:
                     remaining -= 1
                 yield got
         finally:
+            # Nothing here may await before the bookkeeping: under a cancelled scope
+            # (a client that left) every await raises again.
+            if remaining:  # the client left: its requests are aborted
+                metrics.request_success.labels(self.model_name, "abort").inc(remaining)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -768,9 +772,10 @@ class WorkerServer:
         texts = [""] * n
         outs: list[list[RequestOutput]] = [[] for _ in range(n)]
         try:
-            async for i, item in self._outputs(job):
-                outs[i].append(item.output)
-                texts[i] += item.output.new_text
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for i, item in outputs:
+                    outs[i].append(item.output)
+                    texts[i] += item.output.new_text
         finally:
             self._done(job)
         choices = []
@@ -908,23 +913,24 @@ class WorkerServer:
                         for i in range(len(job.prepared))
                     ]
                 )
-            async for i, item in self._outputs(job):
-                out = item.output
-                if out.finish_reason == "error":
-                    err = OpenAIError(
-                        500,
-                        "the engine failed while running this request",
-                        type="server_error",
-                        code="engine_error",
-                    )
-                    yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-                    return
-                if out.finished:
-                    lasts[i] = out
-                if out.new_text or out.finished or job.logprobs is not None:
-                    yield chunk(
-                        [self._choice(job, i, out.new_text, out, out.logprobs, final=False)]
-                    )
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for i, item in outputs:
+                    out = item.output
+                    if out.finish_reason == "error":
+                        err = OpenAIError(
+                            500,
+                            "the engine failed while running this request",
+                            type="server_error",
+                            code="engine_error",
+                        )
+                        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                        return
+                    if out.finished:
+                        lasts[i] = out
+                    if out.new_text or out.finished or job.logprobs is not None:
+                        yield chunk(
+                            [self._choice(job, i, out.new_text, out, out.logprobs, final=False)]
+                        )
             if job.include_usage:
                 yield chunk([], self._usage(list(lasts.values())))
             yield b"data: [DONE]\n\n"
