@@ -446,21 +446,20 @@ class WorkerServer:
             if theirs != ours:
                 raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
             stored = await loop.call(
-                engine.import_blocks,
-                prepared.prompt_token_ids,
-                header.block_hashes,
-                data,
-                cache_salt=cache_salt,
+                lambda: engine.import_blocks(
+                    prepared.prompt_token_ids, header.block_hashes, data, cache_salt=cache_salt
+                )
             )
             metrics.kv_pull_seconds.observe(time.monotonic() - start)
             metrics.transferred("received", len(header.block_hashes), len(data))
             log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
-        except (TransferError, ValueError) as exc:
+        except Exception as exc:  # whatever went wrong, the answer can still be computed here
             metrics.kv_transfer_fallbacks.inc()
             log.warning(
                 "request %s: remote prefill unusable, computing it here: %s",
                 prepared.request_id,
                 exc,
+                exc_info=not isinstance(exc, TransferError | ValueError),
             )
         finally:
             asyncio.create_task(self._release_remote(url))  # noqa: RUF006

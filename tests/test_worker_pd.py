@@ -1,0 +1,249 @@
+"""The prefill/decode hand-off (contract 4): a prefill worker computes and pins the prompt's
+blocks, a decode worker pulls them over HTTP and decodes; any failure of the pull falls back
+to a local prefill with the same answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import RunningWorker
+
+PROMPT = (
+    "A router in front of a pool of inference workers reads every prompt, cuts it into blocks "
+    "of sixteen tokens, and hashes each block together with the hash of the block before it."
+)
+KVPOOL = str(Path(sys.executable).with_name("kvpool"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """``kvpool worker serve`` as a separate process."""
+
+    def __init__(self, model: Path, role: str, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"{role}-{self.port}.log"
+        args = [
+            KVPOOL,
+            "worker",
+            "serve",
+            "--model",
+            str(model),
+            "--role",
+            role,
+            "--port",
+            str(self.port),
+            "--num-blocks",
+            "128",
+            "--device",
+            "cpu",
+            "--drain-timeout-s",
+            "1",
+        ]
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{role} worker did not start:\n{self.log.read_text()}")
+            time.sleep(0.1)
+
+    def metric(self, name: str, **labels: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+        return 0.0
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def processes(llama_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(role: str) -> WorkerProcess:
+        started.append(WorkerProcess(llama_dir, role, tmp_path))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.kill()
+
+
+def complete(url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prefill(url: str, prompt: str = PROMPT) -> dict[str, Any]:
+    answer = complete(url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"]
+    return params
+
+
+def test_prefill_and_decode_processes_answer_like_one_worker(
+    processes: Any, start_worker: Any
+) -> None:
+    expected = complete(start_worker().url, PROMPT, 24)["choices"][0]["text"]
+    p, d = processes("prefill"), processes("decode")
+    params = prefill(p.url)
+    n_blocks = len(params["remote_block_ids"])
+    assert (
+        n_blocks
+        == len(httpx.post(p.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]) // 16
+        > 0
+    )
+    assert p.metric("kvpool_worker_pinned_requests") == 1
+    answer = complete(d.url, PROMPT, 24, kv_transfer_params=params)
+    assert answer["choices"][0]["text"] == expected
+    assert d.metric("kvpool_worker_kv_transfer_blocks_total", direction="received") == n_blocks
+    assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 0
+    # The pulled blocks served the prompt: only its tail was computed on the decode side.
+    assert d.metric("vllm:prefix_cache_hits_total") >= (n_blocks - 1) * 16
+    deadline = time.monotonic() + 10  # the decode side releases the pin after its pull
+    while p.metric("kvpool_worker_pinned_requests") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.metric("kvpool_worker_pinned_requests") == 0
+    assert p.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_killed_prefill_worker_leads_to_a_local_prefill(
+    processes: Any, start_worker: Any
+) -> None:
+    expected = complete(start_worker().url, PROMPT, 16)["choices"][0]["text"]
+    p, d = processes("prefill"), processes("decode")
+    params = prefill(p.url)
+    p.kill()
+    answer = complete(d.url, PROMPT, 16, kv_transfer_params=params)
+    assert answer["choices"][0]["text"] == expected
+    assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
+    assert d.metric("kvpool_worker_kv_transfer_blocks_total", direction="received") == 0
+
+
+class CuttingProxy:
+    """Relays one connection to the prefill worker and cuts the response after ``limit``
+    bytes, as a prefill worker dying in the middle of a transfer would."""
+
+    def __init__(self, upstream_port: int, limit: int) -> None:
+        self.upstream_port, self.limit = upstream_port, limit
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.relayed = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        with client, socket.create_connection(("127.0.0.1", self.upstream_port)) as upstream:
+            client.settimeout(5)
+            request = client.recv(65536)
+            upstream.sendall(request)
+            if not request.startswith(b"GET"):
+                client.sendall(upstream.recv(65536))
+                return
+            while self.relayed < self.limit:
+                data = upstream.recv(min(65536, self.limit - self.relayed))
+                if not data:
+                    break
+                client.sendall(data)
+                self.relayed += len(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_transfer_cut_midway_leads_to_a_local_prefill(start_worker: Any) -> None:
+    both = start_worker()
+    expected = complete(both.url, PROMPT, 16)["choices"][0]["text"]
+    p = start_worker(role="prefill")
+    d = start_worker(role="decode")
+    params = prefill(p.url)
+    proxy = CuttingProxy(p.port, limit=3000)  # headers, the transfer header, part of a block
+    try:
+        cut = {**params, "remote_port": proxy.port}
+        answer = complete(d.url, PROMPT, 16, kv_transfer_params=cut)
+    finally:
+        proxy.close()
+    assert proxy.relayed == 3000
+    assert answer["choices"][0]["text"] == expected
+    assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
+    assert d.engine.stats.prefix_cache_hits == 0  # nothing half-received was stored
+
+
+def test_blocks_from_another_hash_seed_are_refused(start_worker: Any) -> None:
+    p = start_worker(role="prefill", hash_seed="1")
+    d = start_worker(role="decode")
+    params = prefill(p.url)
+    complete(d.url, PROMPT, 4, kv_transfer_params=params)
+    assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
+    assert d.engine.stats.prefix_cache_hits == 0
+
+
+def test_pinned_blocks_are_freed_on_delete_or_after_the_timeout(start_worker: Any) -> None:
+    p: RunningWorker = start_worker(role="prefill", kv_pin_timeout_s=1.0)
+    params = prefill(p.url)
+    url = f"{p.url}/kv/{params['remote_request_id']}"
+    assert p.metric("vllm:kv_cache_usage_perc") > 0
+    assert httpx.delete(url).status_code == 200
+    assert httpx.get(url).status_code == 404
+    assert p.metric("vllm:kv_cache_usage_perc") == 0
+
+    prefill(p.url)
+    assert p.metric("kvpool_worker_pinned_requests") == 1
+    p.wait_for(lambda: p.metric("kvpool_worker_pinned_requests") == 0, timeout=10)
+    assert p.metric("kvpool_worker_kv_pins_expired_total") == 1
+    assert p.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_roles_refuse_the_other_leg(start_worker: Any) -> None:
+    d = start_worker(role="decode")
+    r = httpx.post(
+        d.url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    assert r.status_code == 400 and "decode" in r.json()["error"]["message"]
+    r = httpx.post(
+        d.url + "/v1/completions",
+        json={"prompt": PROMPT, "kv_transfer_params": {"do_remote_prefill": True}},
+    )
+    assert r.status_code == 400 and "remote_host" in r.json()["error"]["message"]
