@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -52,6 +53,10 @@ from .settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EventSink | None], EngineCore]
+
+# Engines load one at a time: several workers in one process (a simulated fleet) would
+# otherwise import transformers' lazy modules from several threads at once, which races.
+_LOAD_LOCK = threading.Lock()
 
 
 def default_engine_factory(settings: WorkerSettings) -> EngineFactory:
@@ -132,7 +137,7 @@ class WorkerServer:
                 )
                 await asyncio.to_thread(self.publisher.start)
                 sink = self.publisher.publish
-            engine = await asyncio.to_thread(self.engine_factory, sink)
+            engine = await asyncio.to_thread(self._make_engine, sink)
             loop = EngineLoop(engine, name=f"engine-{self.model_name}")
             metrics = WorkerMetrics(
                 self.model_name,
@@ -159,6 +164,10 @@ class WorkerServer:
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("the model did not load; /health will answer 503")
+
+    def _make_engine(self, sink: EventSink | None) -> EngineCore:
+        with _LOAD_LOCK:
+            return self.engine_factory(sink)
 
     async def shutdown(self) -> None:
         self.draining = True

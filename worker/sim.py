@@ -147,7 +147,7 @@ class SimEngine(EngineCore):
 
     def _token(self, seq: Seq) -> int:
         raw = hashlib.blake2b(
-            seq.token_seed.to_bytes(8, "big", signed=True) + seq.num_tokens.to_bytes(4, "big"),
+            (seq.token_seed % 2**64).to_bytes(8, "big") + seq.num_tokens.to_bytes(4, "big"),
             digest_size=8,
         ).digest()
         return self._tokens[int.from_bytes(raw) % len(self._tokens)]

@@ -1,0 +1,149 @@
+"""The simulated engine: the real scheduler, pool, events and server over a timing model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpool.worker.engine import EngineConfig
+from kvpool.worker.sequence import SamplingParams
+from kvpool.worker.sim import SimEngine, TimingModel
+
+
+@pytest.fixture
+def sim(tiny_model: tuple[Any, Any]) -> SimEngine:
+    _, tokenizer = tiny_model
+    return SimEngine(
+        tokenizer,
+        EngineConfig(num_blocks=64),
+        vocab_size=len(tokenizer),
+        max_model_len=1024,
+        eos_token_ids=[tokenizer.eos_token_id],
+        virtual=True,
+    )
+
+
+def run_until_first_token(engine: SimEngine, stream: Any) -> float:
+    start = engine.now
+    while not stream._queue.qsize():
+        engine.step()
+    return engine.now - start
+
+
+def test_a_lone_prefill_takes_the_timing_model_s_time(sim: SimEngine) -> None:
+    t = TimingModel()
+    prompt = list(range(10, 310))  # 300 tokens, nothing cached
+    ttft = run_until_first_token(sim, sim.add_request(prompt, SamplingParams(max_tokens=4)))
+    assert ttft == pytest.approx((t.a + t.b * 300 + t.c * 300**2) / 1000)
+    # Decode steps then cost d + e*B + f*C.
+    before = sim.now
+    sim.step()
+    assert sim.now - before == pytest.approx((t.d + t.e * 1 + t.f * 301) / 1000)
+
+
+def test_a_cached_prefix_shortens_the_simulated_prefill(sim: SimEngine) -> None:
+    prompt = list(range(10, 310))
+    first = run_until_first_token(sim, sim.add_request(prompt, SamplingParams(max_tokens=1)))
+    again = run_until_first_token(sim, sim.add_request(prompt, SamplingParams(max_tokens=1)))
+    t = TimingModel()
+    assert again == pytest.approx(t.prefill_ms([300 - 288]) / 1000)  # 18 blocks were cached
+    assert again < first
+
+
+def test_simulated_tokens_are_deterministic_and_never_end_early(sim: SimEngine) -> None:
+    params = SamplingParams(max_tokens=40)
+    a, b = sim.generate([[5, 6, 7, 8], [5, 6, 7, 8]], params)
+    c = sim.generate([[5, 6, 7, 9]], params)[0]
+    seeded = sim.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=40, seed=3))[0]
+    assert a.token_ids == b.token_ids != c.token_ids
+    assert seeded.token_ids != a.token_ids
+    assert len(a.token_ids) == 40 and a.finish_reason == "length"
+    assert not set(a.token_ids) & sim.eos_token_ids
+
+
+def test_the_timing_model_rejects_negative_coefficients() -> None:
+    with pytest.raises(ValueError, match="time_scale"):
+        TimingModel(time_scale=-1)
+
+
+def test_a_simulated_worker_serves_the_openai_api_and_hands_off_blocks(start_worker: Any) -> None:
+    fast = {"engine": "sim", "sim_time_scale": 0.01}
+    both = start_worker(**fast)
+    client = both.openai()
+    r = client.completions.create(model=None, prompt="A router in front", max_tokens=8)
+    assert r.usage.completion_tokens == 8 and r.choices[0].text
+    streamed = client.completions.create(
+        model=None, prompt="A router in front", max_tokens=8, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert httpx.get(both.url + "/kvpool/info").json()["engine"] == "sim"
+    assert both.metric("vllm:generation_tokens_total") == 16
+
+    p, d = start_worker(role="prefill", **fast), start_worker(role="decode", **fast)
+    prompt = list(range(10, 110))
+    leg = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(p.url + "/v1/completions", json=leg).json()["kv_transfer_params"]
+    done = httpx.post(
+        d.url + "/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4, "kv_transfer_params": params},
+    ).json()
+    assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert d.metric("kvpool_worker_kv_transfer_blocks_total", direction="received") == 6
+
+
+def test_a_sim_fleet_hosts_many_workers_in_one_process(llama_dir: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    count = 4
+    kvpool = str(Path(sys.executable).with_name("kvpool"))
+    proc = subprocess.Popen(
+        [
+            kvpool,
+            "worker",
+            "sim-fleet",
+            "--model",
+            str(llama_dir),
+            "--count",
+            str(count),
+            "--base-port",
+            str(base),
+            "--sim-time-scale",
+            "0.01",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        urls = [json.loads(proc.stdout.readline())["url"] for _ in range(count)]
+        assert urls == [f"http://127.0.0.1:{base + i}" for i in range(count)]
+        deadline = time.monotonic() + 60
+        for url in urls:
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
