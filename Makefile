@@ -40,13 +40,14 @@ bench: install
 	$(PY) bench/hashing.py
 	$(PY) bench/engine.py
 
-# Today: the engine on the tiny model, end to end (load, batch, cache, sample, detokenize).
-# It becomes the local stack (workers behind the router) when the server and router land.
+# Today: one worker server with the tiny model, the OpenAI API on http://127.0.0.1:8000 and
+# KV events on tcp://127.0.0.1:5557 (replay on 5558); Ctrl-C drains and stops it. It becomes
+# the local stack (workers behind the router) when the router lands.
 TINY_MODEL := .cache/tiny-model
 run: install
 	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/kvpool worker make-tiny-model $(TINY_MODEL)
-	$(VENV)/bin/kvpool worker generate --model $(TINY_MODEL) --max-tokens 24 \
-		"A router in front of a pool" "Each worker keeps its cache in blocks"
+	$(VENV)/bin/kvpool worker serve --model $(TINY_MODEL) --port 8000 --num-blocks 4096 \
+		--kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay-endpoint tcp://127.0.0.1:5558
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis *.egg-info

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -93,7 +93,6 @@ class _Job:
     transfer: KVTransferParams | None
     cache_salt: str | None
     queued_tokens: int = 0
-    texts: list[list[str]] = field(default_factory=list)
 
 
 class WorkerServer:
@@ -532,7 +531,8 @@ class WorkerServer:
             )
         prepared: list[PreparedRequest] = []
         for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            # Unique in the engine even when a client reuses its X-Request-Id.
+            rid = f"{base_id}-{i}-{uuid.uuid4().hex[:8]}"
             prepared.append(
                 await asyncio.to_thread(
                     self._prepare, engine, prompt, req, max_tokens, logprobs, rid, transfer
@@ -551,6 +551,14 @@ class WorkerServer:
             cache_salt=req.cache_salt,
         )
         self._admit(job, metrics)
+        log.debug(
+            "request %s: %s, %d prompt(s), %d prompt tokens%s",
+            base_id,
+            kind,
+            len(prepared),
+            job.queued_tokens,
+            ", remote prefill" if transfer and transfer.do_remote_prefill else "",
+        )
         return job
 
     def _check_transfer(self, transfer: KVTransferParams, stream: bool) -> None:
