@@ -88,7 +88,7 @@ Stop = str | list[str] | None
 
 class _Sampling(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -171,7 +171,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -235,7 +235,11 @@ def parse_request(model: type[M], body: bytes) -> M:
             raise OpenAIError(
                 400, f"the body is not valid JSON: {err['msg']}", code="invalid_json"
             ) from None
-        param = ".".join(str(p) for p in err["loc"]) or None
+        # Union members add their type to the location (prompt.str): keep field names only.
+        loc = err["loc"]
+        if err["type"] != "extra_forbidden":  # an unknown field's own name is not in _FIELDS
+            loc = tuple(p for p in loc if isinstance(p, int) or p in _FIELDS)
+        param = ".".join(str(p) for p in loc) or None
         if err["type"] == "extra_forbidden":
             message = f"unrecognized request argument: {param}"
         elif err["type"] == "missing":
@@ -243,3 +247,20 @@ def parse_request(model: type[M], body: bytes) -> M:
         else:
             message = f"{param}: {err['msg']}" if param else err["msg"]
         raise OpenAIError(400, message, code="invalid_value", param=param) from None
+
+
+#: every field name of the request bodies, to tell them from pydantic's union tags
+_FIELDS = {
+    name
+    for m in (
+        CompletionRequest,
+        ChatCompletionRequest,
+        ChatMessage,
+        TextPart,
+        StreamOptions,
+        TokenizeRequest,
+        DetokenizeRequest,
+        KVTransferParams,
+    )
+    for name in m.model_fields
+}

@@ -90,12 +90,12 @@ def worker_process(llama_dir: Path, tmp_path: Path) -> Any:
         sys.stderr.write((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
 
 
-def test_sigterm_finishes_the_running_stream_refuses_new_work_and_exits_0(
+def test_sigterm_lets_the_running_stream_finish_and_refuses_new_connections(
     worker_process: Any,
 ) -> None:
     proc, url = worker_process
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    first_chunk = threading.Event()
+    first_chunk, resume = threading.Event(), threading.Event()
     chunks: list[Any] = []
     failure: list[BaseException] = []
 
@@ -112,7 +112,11 @@ def test_sigterm_finishes_the_running_stream_refuses_new_work_and_exits_0(
             )
             for chunk in stream:
                 chunks.append(chunk)
-                first_chunk.set()
+                if not first_chunk.is_set():
+                    first_chunk.set()
+                    # Read no further until the worker has stopped listening, so the
+                    # stream is still open on this side when shutdown begins.
+                    resume.wait(DEADLINE_S)
         except BaseException as exc:
             failure.append(exc)
         finally:
@@ -120,11 +124,13 @@ def test_sigterm_finishes_the_running_stream_refuses_new_work_and_exits_0(
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
-    assert first_chunk.wait(DEADLINE_S), "no first chunk"
-    assert not failure, failure
-    proc.send_signal(signal.SIGTERM)
-
-    wait_until(lambda: refused_or_503(url), DEADLINE_S, "new work refused after SIGTERM")
+    try:
+        assert first_chunk.wait(DEADLINE_S), "no first chunk"
+        assert not failure, failure
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: refused_or_503(url), DEADLINE_S, "new work refused after SIGTERM")
+    finally:
+        resume.set()
 
     reader.join(DEADLINE_S)
     assert not reader.is_alive(), "the stream did not end"
@@ -134,5 +140,10 @@ def test_sigterm_finishes_the_running_stream_refuses_new_work_and_exits_0(
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "length"
     assert all(f is None for f in finishes[:-1])
+    proc.wait(DEADLINE_S)  # and then it exits (with what status: the next test)
 
+
+def test_sigterm_exits_0_once_drained(worker_process: Any) -> None:
+    proc, _ = worker_process
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(DEADLINE_S) == 0

@@ -108,7 +108,8 @@ def _settings(values: dict[str, Any]) -> Any:
         return WorkerSettings(**values)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+            (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ")
             for e in exc.errors(include_url=False)
         )
         raise ValueError(f"bad settings: {problems}") from None

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -516,7 +516,11 @@ class WorkerServer:
                 raise
             prompts: list[str | list[int]] = [ids]
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
         else:
             prompts = req.prompts()
             if not prompts:
@@ -639,9 +643,7 @@ class WorkerServer:
         except PromptTooLong as exc:
             raise OpenAIError(
                 400,
-                f"This model's maximum context length is "
-                f"{exc.max_model_len} tokens, and the prompt has "
-                f"{exc.num_tokens} tokens: {exc}",
+                str(exc).capitalize(),
                 code="context_length_exceeded",
                 param="prompt" if req.__class__ is CompletionRequest else "messages",
             ) from None
@@ -660,7 +662,11 @@ class WorkerServer:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+        stop = req.stop if isinstance(req.stop, list) else [] if req.stop is None else [req.stop]
+        try:
+            engine._check_vocabulary(req.stop_token_ids or [], "stop_token_ids: token id")
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="stop_token_ids") from None
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -972,10 +978,18 @@ class _Uvicorn(uvicorn.Server):
         self.worker = worker
         self.own_signals = own_signals
 
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        if self.own_signals:
-            return super().capture_signals()
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if not self.own_signals:
+            yield
+            return
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                # uvicorn re-raises the signals it caught once it has shut down; after a
+                # clean drain that would kill the process with SIGTERM's default action.
+                self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.worker.draining:
