@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -79,19 +80,9 @@ class WorkerSettings(BaseModel):
         return self.max_waiting_tokens or 8 * self.max_num_batched_tokens
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            block_size=self.block_size,
-            hash_seed=self.hash_seed,
-            num_blocks=self.num_blocks,
-            kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.device,
-            seed=self.seed,
-            kv_pin_timeout_s=self.kv_pin_timeout_s,
-        )
+        """The engine's settings: the fields both share, by name."""
+        shared = {f.name for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in shared})
 
     def timing(self) -> TimingModel:
         return TimingModel(
