@@ -352,6 +352,12 @@ class EngineCore:
             text = self.detokenizer.take_delta(request.seq, request.detok)
         request.stream.put(self._output(request, [], [], text))
 
+    def end_all(self, reason: str) -> None:
+        """End every request now (``abort`` at shutdown, ``error`` after a failure)."""
+        with self._lock:
+            for request in list(self._requests.values()):
+                self._fail(request, reason)
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self._requests)

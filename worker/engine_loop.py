@@ -160,10 +160,13 @@ class EngineLoop:
                     continue
                 self._run_command(command)
             if stopping:
-                for request_id in list(engine._requests):
-                    engine.abort(request_id)
+                engine.end_all("abort")
             elif engine.has_unfinished():
-                engine.step()
+                try:
+                    engine.step()
+                except Exception:  # a bug outside the forward pass: fail loudly, keep serving
+                    log.exception("the engine step failed outside the model; ending all requests")
+                    engine.end_all("error")
             now = time.monotonic()
             if now >= next_pin_check:
                 next_pin_check = now + self.pin_check_interval_s

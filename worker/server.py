@@ -212,6 +212,17 @@ class WorkerServer:
             )
             return JSONResponse(err.body(), status_code=exc.status_code)
 
+        @app.exception_handler(Exception)
+        async def _bug(request: Request, exc: Exception) -> JSONResponse:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+            err = OpenAIError(
+                500,
+                f"internal error: {type(exc).__name__}: {exc}",
+                type="server_error",
+                code="internal_error",
+            )
+            return JSONResponse(err.body(), status_code=500)
+
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
