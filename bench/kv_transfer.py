@@ -12,8 +12,9 @@ decode) on 127.0.0.1 serve a random Llama whose KV block is 1 MiB in float32 (8 
   loopback cost with no server-side work).
 * decode leg: a fresh prefill, then the decode worker's request with its
   ``kv_transfer_params``; its own ``kvpool_worker_kv_pull_seconds`` (pull + import) and
-  received bytes from /metrics, and the request's time to its one token, against
-  recomputing a fresh prompt of the same length on the decode worker.
+  received bytes from /metrics, split into its ``pull_blocks`` and ``import_blocks`` by
+  timers the benchmark's launcher wraps around them, and the request's time to its one
+  token, against recomputing a fresh prompt of the same length on the decode worker.
 
 A breakdown (instrumented pull, ``read_blocks`` and ``import_blocks`` in this process, a
 plain socket read of the same bytes) says where the time goes.
@@ -27,8 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
-import functools
-import inspect
 import json
 import os
 import platform
@@ -55,6 +54,7 @@ SHAPE = {
     "intermediate_size": 1024,
 }
 MB = 1e6
+ME = str(Path(__file__).resolve())
 
 
 def median_spread(xs: list[float], fmt: str = ".3g") -> str:
@@ -62,28 +62,36 @@ def median_spread(xs: list[float], fmt: str = ".3g") -> str:
 
 
 # -- the processes this benchmark starts -------------------------------------------------------
-def import_bug_present() -> bool:
-    """``WorkerServer._pull_remote_prefill`` passes ``cache_salt=`` through
-    ``EngineLoop.call``, which takes no keyword arguments: every decode leg then fails."""
-    from kvpool.worker.engine_loop import EngineLoop
-
-    params = inspect.signature(EngineLoop.call).parameters.values()
-    return not any(p.kind is p.VAR_KEYWORD for p in params)
-
-
 def worker_main(argv: list[str]) -> int:
-    """``kvpool worker <argv>`` with the keyword-argument bug of ``EngineLoop.call``
-    worked around (only while the bug is there)."""
-    from kvpool.worker import cli
-    from kvpool.worker.engine_loop import EngineLoop
+    """``kvpool worker <argv>``; ``--chunk-blocks N`` first sets the transfer's chunk size
+    (the proposed fix, measured beside the default). With ``KVPOOL_BENCH_KV_TRACE`` set
+    to a file, the decode side's two halves of a hand-off are timed there: a line
+    ``pull SECONDS BYTES`` per ``pull_blocks`` and ``import SECONDS`` per
+    ``import_blocks``."""
+    from kvpool.worker import cli, kv_transfer, server
+    from kvpool.worker.engine import EngineCore
 
-    if import_bug_present():
-        original = EngineLoop.call
+    if argv[:1] == ["--chunk-blocks"]:
+        kv_transfer.CHUNK_BLOCKS = int(argv[1])
+        argv = argv[2:]
+    if path := os.environ.get("KVPOOL_BENCH_KV_TRACE"):
+        out = open(path, "a", buffering=1)  # open for the life of the process
+        pull, import_blocks = server.pull_blocks, EngineCore.import_blocks
 
-        def call(self: EngineLoop, fn: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(self, functools.partial(fn, **kwargs) if kwargs else fn, *args)
+        async def timed_pull(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            header, data = await pull(*args, **kwargs)
+            out.write(f"pull {time.perf_counter() - start!r} {len(data)}\n")
+            return header, data
 
-        EngineLoop.call = call  # type: ignore[method-assign]
+        def timed_import(*args: Any, **kwargs: Any) -> int:
+            start = time.perf_counter()
+            stored = import_blocks(*args, **kwargs)
+            out.write(f"import {time.perf_counter() - start!r}\n")
+            return stored
+
+        server.pull_blocks = timed_pull  # type: ignore[assignment]
+        EngineCore.import_blocks = timed_import  # type: ignore[method-assign]
     return cli.main(argv)
 
 
@@ -122,9 +130,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(args: list[str], log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+def process(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc
     finally:
@@ -140,12 +150,20 @@ async def wait_ready(client: Any, url: str, proc: subprocess.Popen[bytes], log: 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{url} exited ({proc.returncode}):\n{log_tail(log)}")
         with contextlib.suppress(Exception):
             if (await client.get(url, timeout=2)).status_code == 200:
                 return
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} was not ready within 120 s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{url} was not ready within 120 s:\n{log_tail(log)}")
+
+
+def read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def log_tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:]
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -170,7 +188,9 @@ async def prefill_leg(client: Any, base: str, prompt: list[int]) -> tuple[dict, 
 
 
 def kv_url(params: dict) -> str:
-    return f"http://{params['remote_host']}:{params['remote_port']}/kv/{params['remote_request_id']}"
+    return (
+        f"http://{params['remote_host']}:{params['remote_port']}/kv/{params['remote_request_id']}"
+    )
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -256,9 +276,10 @@ def socket_read(port: int, nbytes: int) -> float:
     return time.perf_counter() - start
 
 
-def in_process(model_dir: Path, num_tokens: int, repeats: int) -> dict[str, list[float]]:
-    """``read_blocks`` of one body chunk and ``import_blocks`` of a whole prompt's blocks,
-    on an engine in this process (no HTTP)."""
+def in_process(model_dir: Path, num_tokens: int, small_chunk: int, repeats: int) -> dict[str, Any]:
+    """``read_blocks`` of a whole prompt's blocks, chunk by chunk as ``stream_blocks``
+    reads them (default chunk and ``small_chunk``), and ``import_blocks`` of them, on an
+    engine in this process (no HTTP)."""
     from kvpool.worker.engine import EngineConfig, LLMEngine
     from kvpool.worker.kv_transfer import CHUNK_BLOCKS
 
@@ -271,13 +292,17 @@ def in_process(model_dir: Path, num_tokens: int, repeats: int) -> dict[str, list
     layout = engine.kv_layout
     rng = random.Random(7)
     vocab = engine.vocab_size
-    chunk_ids = list(range(min(CHUNK_BLOCKS, blocks)))
-    read_ms, import_ms = [], []
+    ids = list(range(blocks))
+    read_ms: dict[int, list[float]] = {CHUNK_BLOCKS: [], small_chunk: []}
+    import_ms = []
     data = bytearray(layout.block_bytes * blocks)
     for _ in range(repeats):
-        start = time.perf_counter()
-        engine.read_blocks(chunk_ids)
-        read_ms.append((time.perf_counter() - start) * 1000)
+        for size, times in read_ms.items():
+            start = time.perf_counter()
+            for at in range(0, blocks, size):
+                engine.read_blocks(ids[at : at + size])
+            times.append((time.perf_counter() - start) * 1000)
+    for _ in range(repeats):
         prompt = [rng.randrange(8, vocab) for _ in range(num_tokens)]
         chain = engine.hasher.chain()
         chain.extend(prompt)
@@ -286,8 +311,8 @@ def in_process(model_dir: Path, num_tokens: int, repeats: int) -> dict[str, list
         import_ms.append((time.perf_counter() - start) * 1000)
         assert stored == blocks, stored
     return {
-        "read_blocks_chunk_ms": read_ms,
-        "read_blocks_chunk_blocks": len(chunk_ids),
+        "read_blocks_ms": read_ms[CHUNK_BLOCKS],
+        "read_blocks_small_chunks_ms": read_ms[small_chunk],
         "import_blocks_ms": import_ms,
     }
 
@@ -298,13 +323,14 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
     from kvpool.worker.engine import KVLayout
     from kvpool.worker.kv_transfer import CHUNK_BLOCKS, TransferHeader, pull_blocks
 
-    me = str(Path(__file__).resolve())
+    me = ME
     num_blocks = str(args.tokens // 16 * 4 + 64)
     common = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32"]
     common += ["--num-blocks", num_blocks, "--drain-timeout-s", "1"]
     common += ["--max-num-batched-tokens", str(max(2048, args.tokens))]
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    p_port, s_port, d_port, r_port = free_port(), free_port(), free_port(), free_port()
     prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    small_url = f"http://127.0.0.1:{s_port}"
 
     blocks = args.tokens // 16
     layout = KVLayout("float32", [SHAPE["num_hidden_layers"], 2, 16, 8, 128])
@@ -312,52 +338,70 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                           layout.block_bytes, 16, args.tokens, list(range(blocks)))  # fmt: skip
     chunk = CHUNK_BLOCKS * layout.block_bytes
     raw = [me, "--raw-server", str(r_port), fake.encode().hex(), str(fake.body_bytes), str(chunk)]
-    worker = [sys.executable, me, "--worker", "serve", *common]
+    worker = [sys.executable, me, "--worker"]
+    serve = ["serve", *common]
+    small = ["--chunk-blocks", str(args.small_chunk_blocks)]
+    kv_trace = tmp / "kv_trace.log"
     with (
-        process([*worker, "--role", "prefill", "--port", str(p_port)], tmp / "p.log") as p,
-        process([*worker, "--role", "decode", "--port", str(d_port)], tmp / "d.log") as d,
+        process([*worker, *serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log") as p,
+        process(
+            [*worker, *small, *serve, "--role", "prefill", "--port", str(s_port)], tmp / "s.log"
+        ) as ps,
+        process(
+            [*worker, *serve, "--role", "decode", "--port", str(d_port)],
+            tmp / "d.log",
+            {**os.environ, "KVPOOL_BENCH_KV_TRACE": str(kv_trace)},
+        ) as d,
         process([sys.executable, *raw], tmp / "r.log"),
     ):
         async with httpx.AsyncClient(timeout=300) as client:
             await wait_ready(client, f"{prefill_url}/health", p, tmp / "p.log")
+            await wait_ready(client, f"{small_url}/health", ps, tmp / "s.log")
             await wait_ready(client, f"{decode_url}/health", d, tmp / "d.log")
             rng = random.Random(0)
 
             def prompt() -> list[int]:
                 return [rng.randrange(8, 512) for _ in range(args.tokens)]
 
+            async def pull(base: str) -> tuple[Any, int, float, float]:
+                """A fresh prefill, then its pull; (header, bytes, prefill s, pull s)."""
+                params, prefill_s = await prefill_leg(client, base, prompt())
+                start = time.perf_counter()
+                header, data = await pull_blocks(client, kv_url(params), timeout=120)
+                pull_s = time.perf_counter() - start
+                await client.delete(kv_url(params))
+                return header, len(data), prefill_s, pull_s
+
             raw_url = f"http://127.0.0.1:{r_port}/kv/raw"
-            # warm up: first-call costs of both workers, the client and the raw server
-            params, _ = await prefill_leg(client, prefill_url, prompt())
-            await pull_blocks(client, kv_url(params))
-            await client.delete(kv_url(params))
+            # warm up: first-call costs of the workers, the client and the raw server
+            await pull(prefill_url)
+            await pull(small_url)
             params, _ = await prefill_leg(client, prefill_url, prompt())
             await completion(client, decode_url, prompt(), kv_transfer_params=params)
             await pull_blocks(client, raw_url)
 
             r: dict[str, list[float]] = {k: [] for k in (
-                "pull_mb_s", "raw_mb_s", "prefill_s", "pull_s", "decode_leg_s",
-                "decode_pull_s", "decode_pull_mb_s", "recompute_s", "cached_tokens",
+                "pull_mb_s", "small_chunk_mb_s", "raw_mb_s", "prefill_s", "pull_s",
+                "decode_leg_s", "decode_pull_s", "decode_pull_mb_s", "recompute_s",
+                "decode_inner_pull_mb_s", "decode_import_ms",
+                "cached_tokens",
             )}  # fmt: skip
             nbytes = 0
             for i in range(args.repeats):
                 # 1. the pull, with the decode worker's client code
-                params, prefill_s = await prefill_leg(client, prefill_url, prompt())
-                start = time.perf_counter()
-                header, data = await pull_blocks(client, kv_url(params), timeout=120)
-                pull_s = time.perf_counter() - start
-                await client.delete(kv_url(params))
-                nbytes = len(data)
-                del data
+                header, nbytes, prefill_s, pull_s = await pull(prefill_url)
                 r["prefill_s"].append(prefill_s)
                 r["pull_s"].append(pull_s)
                 r["pull_mb_s"].append(nbytes / pull_s / MB)
-                # 2. the same bytes from the minimal server, same client
+                # 2. the same from a prefill worker with smaller body chunks
+                _, n, _, small_s = await pull(small_url)
+                r["small_chunk_mb_s"].append(n / small_s / MB)
+                # 3. the same bytes from the minimal server, same client
                 start = time.perf_counter()
                 _, data = await pull_blocks(client, raw_url, timeout=120)
                 r["raw_mb_s"].append(len(data) / (time.perf_counter() - start) / MB)
                 del data
-                # 3. the decode leg, as a router would send it
+                # 4. the decode leg, as a router would send it
                 params, _ = await prefill_leg(client, prefill_url, p2 := prompt())
                 before = scrape((await client.get(f"{decode_url}/metrics")).text)
                 body, leg_s = await completion(client, decode_url, p2, kv_transfer_params=params)
@@ -365,16 +409,23 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                 if after.get("fallbacks", 0) > before.get("fallbacks", 0):
                     raise RuntimeError(f"the decode leg fell back to recomputing:\n{tail(tmp)}")
                 got = after["received"] - before.get("received", 0.0)
-                pull = after["pull_seconds"] - before.get("pull_seconds", 0.0)
+                pulled = after["pull_seconds"] - before.get("pull_seconds", 0.0)
                 r["decode_leg_s"].append(leg_s)
-                r["decode_pull_s"].append(pull)
-                r["decode_pull_mb_s"].append(got / pull / MB)
+                r["decode_pull_s"].append(pulled)
+                r["decode_pull_mb_s"].append(got / pulled / MB)
+                lines = read_lines(kv_trace)
+                pull_line = next(x for x in reversed(lines) if x.startswith("pull "))
+                import_line = next(x for x in reversed(lines) if x.startswith("import "))
+                _, inner_s, inner_bytes = pull_line.split()
+                r["decode_inner_pull_mb_s"].append(int(inner_bytes) / float(inner_s) / MB)
+                r["decode_import_ms"].append(float(import_line.split()[1]) * 1000)
                 r["cached_tokens"].append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-                # 4. the alternative to a hand-off: compute the prefill on the decode worker
+                # 5. the alternative to a hand-off: compute the prefill on the decode worker
                 _, recompute_s = await completion(client, decode_url, prompt())
                 r["recompute_s"].append(recompute_s)
                 print(
                     f"  repeat {i + 1}/{args.repeats}: pull {r['pull_mb_s'][-1]:.0f} MB/s, "
+                    f"small chunks {r['small_chunk_mb_s'][-1]:.0f} MB/s, "
                     f"raw {r['raw_mb_s'][-1]:.0f} MB/s, decode leg {leg_s:.3f} s, "
                     f"recompute {recompute_s:.3f} s",
                     file=sys.stderr,
@@ -399,6 +450,12 @@ def main() -> dict:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (x16 = blocks)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--breakdown-repeats", type=int, default=3)
+    parser.add_argument(
+        "--small-chunk-blocks",
+        type=int,
+        default=8,
+        help="chunk size of the second prefill worker (the proposed CHUNK_BLOCKS)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1,024 tokens")
     args = parser.parse_args()
     if args.quick:
@@ -414,12 +471,11 @@ def main() -> dict:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    patched = import_bug_present()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         model_dir = make_tiny_model(tmp / "model", **SHAPE)
         res = asyncio.run(run(args, model_dir, tmp))
-        local = in_process(model_dir, args.tokens, repeats=5)
+        local = in_process(model_dir, args.tokens, args.small_chunk_blocks, repeats=7)
 
     r = res["runs"]
     mb_s = statistics.median(r["pull_mb_s"])
@@ -434,7 +490,11 @@ def main() -> dict:
         return median_spread([x * 1000 for x in xs], ".0f")
 
     size = f"{res['bytes'] / 2**20:.0f} MiB"
-    chunk_blocks = local["read_blocks_chunk_blocks"]
+    small_mb_s = statistics.median(r["small_chunk_mb_s"])
+    read_ratio = statistics.median(local["read_blocks_small_chunks_ms"]) / statistics.median(
+        local["read_blocks_ms"]
+    )
+    k = args.small_chunk_blocks
     rows = [
         "| Figure | kvpool | baseline | ratio | goal |",
         "|---|---|---|---|---|",
@@ -442,8 +502,18 @@ def main() -> dict:
         f"| {median_spread(r['pull_mb_s'], '.0f')} "
         f"| minimal server, same bytes and client: {median_spread(r['raw_mb_s'], '.0f')} "
         f"| {mb_s / raw_mb_s:.2f}x | >= {GOAL_MB_S:.0f} MB/s: {met(mb_s >= GOAL_MB_S)} |",
+        f"| KV pull as above, prefill worker with `CHUNK_BLOCKS = {k}` (proposed), MB/s "
+        f"| {median_spread(r['small_chunk_mb_s'], '.0f')} "
+        f"| `CHUNK_BLOCKS = {CHUNK_BLOCKS}` (now): {median_spread(r['pull_mb_s'], '.0f')} "
+        f"| {small_mb_s / mb_s:.2f}x | >= {GOAL_MB_S:.0f} MB/s: {met(small_mb_s >= GOAL_MB_S)} |",
         f"| decode worker's own pull + import (`kv_pull_seconds`), MB/s "
         f"| {median_spread(r['decode_pull_mb_s'], '.0f')} | - | - | - |",
+        f"| ... of which `pull_blocks` in the decode worker, MB/s "
+        f"| {median_spread(r['decode_inner_pull_mb_s'], '.0f')} "
+        f"| the same client code in this process (row 1): {median_spread(r['pull_mb_s'], '.0f')} "
+        f"| {statistics.median(r['decode_inner_pull_mb_s']) / mb_s:.2f}x | - |",
+        f"| ... and `import_blocks` in the decode worker, ms "
+        f"| {median_spread(r['decode_import_ms'], '.0f')} | - | - | - |",
         f"| decode leg with remote prefill, request time, ms | {ms(r['decode_leg_s'])} "
         f"| recompute the {args.tokens}-token prefill there: {ms(r['recompute_s'])} "
         f"| {leg / recompute:.2f}x | - |",
@@ -451,8 +521,11 @@ def main() -> dict:
         f"| - | - | - |",
         f"| breakdown: server stalls in a pull (gaps > 2 ms), ms "
         f"| {ms([p['stall_s'] for p in pulls])} | - | - | - |",
-        f"| breakdown: `read_blocks` of one {chunk_blocks}-block chunk, in process, ms "
-        f"| {median_spread(local['read_blocks_chunk_ms'], '.0f')} | - | - | - |",
+        f"| breakdown: `read_blocks` of {res['blocks']} blocks in {k}-block chunks, in "
+        f"process, ms | {median_spread(local['read_blocks_small_chunks_ms'], '.0f')} "
+        f"| in {CHUNK_BLOCKS}-block chunks (now): "
+        f"{median_spread(local['read_blocks_ms'], '.0f')} "
+        f"| {read_ratio:.2f}x | - |",
         f"| breakdown: `import_blocks` of {res['blocks']} blocks, in process, ms "
         f"| {median_spread(local['import_blocks_ms'], '.0f')} | - | - | - |",
         f"| loopback floor: plain socket into one buffer, MB/s "
@@ -464,18 +537,14 @@ def main() -> dict:
         f"Model: random Llama, {SHAPE['num_hidden_layers']} layers, 8 KV heads of 128, "
         f"float32: 1 MiB per 16-token block. Prompt {args.tokens} tokens = {res['blocks']} "
         f"blocks = {size} per hand-off. Workers: `kvpool worker serve`, one process each, "
-        f"on 127.0.0.1; body chunks of {CHUNK_BLOCKS} blocks. Repeats: {args.repeats} "
+        f"on 127.0.0.1; body chunks of {CHUNK_BLOCKS} blocks (the second prefill worker: the "
+        f"same command with `kv_transfer.CHUNK_BLOCKS = {args.small_chunk_blocks}` set first). "
+        f"Repeats: {args.repeats} "
         f"(a fresh prefill for each pull), {args.breakdown_repeats} instrumented pulls. "
         f"Decode legs used {statistics.median(r['cached_tokens']):.0f} cached prompt tokens "
         f"(the imported blocks). Prefill leg on the prefill worker: "
         f"{ms(r['prefill_s'])} ms."
     )
-    if patched:
-        notes += (
-            " The worker processes ran with `EngineLoop.call` patched to accept keyword "
-            "arguments: `WorkerServer._pull_remote_prefill` passes `cache_salt=` through it, "
-            "and without the patch every decode leg fails with a TypeError (HTTP 500)."
-        )
     print(table)
     print()
     print(notes)
@@ -484,15 +553,19 @@ def main() -> dict:
         "mb_per_s_min": round(min(r["pull_mb_s"]), 1),
         "mb_per_s_max": round(max(r["pull_mb_s"]), 1),
         "raw_http_mb_per_s": round(raw_mb_s, 1),
+        f"mb_per_s_chunk_{args.small_chunk_blocks}_blocks": round(small_mb_s, 1),
         "ratio_vs_raw_http": round(mb_s / raw_mb_s, 3),
         "decode_pull_mb_per_s": round(statistics.median(r["decode_pull_mb_s"]), 1),
+        "decode_worker_pull_blocks_mb_per_s": round(
+            statistics.median(r["decode_inner_pull_mb_s"]), 1
+        ),
+        "decode_worker_import_blocks_ms": round(statistics.median(r["decode_import_ms"]), 1),
         "decode_leg_ms": round(leg * 1000, 1),
         "recompute_ms": round(recompute * 1000, 1),
         "decode_leg_vs_recompute": round(leg / recompute, 3),
         "transfer_bytes": res["bytes"],
         "prompt_tokens": args.tokens,
         "goal_met": mb_s >= GOAL_MB_S,
-        "worker_patched_for_import_bug": patched,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kv_transfer.md").write_text(
