@@ -101,11 +101,32 @@ def test_a_simulated_worker_serves_the_openai_api_and_hands_off_blocks(start_wor
     assert d.metric("kvpool_worker_kv_transfer_blocks_total", direction="received") == 6
 
 
+def consecutive_free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def test_a_sim_fleet_hosts_many_workers_in_one_process(llama_dir: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
     count = 4
+    base = consecutive_free_ports(count)
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     proc = subprocess.Popen(
         [
@@ -137,7 +158,9 @@ def test_a_sim_fleet_hosts_many_workers_in_one_process(llama_dir: Path) -> None:
                         break
                 except httpx.HTTPError:
                     pass
-                assert time.monotonic() < deadline and proc.poll() is None
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise AssertionError(f"{url} did not start:\n{proc.stdout.read()!r}")
                 time.sleep(0.05)
             r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
             assert r.status_code == 200, r.text

@@ -138,7 +138,14 @@ def _cmd_sim_fleet(args: argparse.Namespace) -> int:
     for s in fleet:
         line = {"url": f"http://{s.host}:{s.port}", "kv_events_endpoint": s.kv_events_endpoint}
         print(json.dumps(line), flush=True)
-    asyncio.run(serve_many(fleet, log_level="debug" if args.verbose else "warning"))
+    try:  # the event loop uvicorn would pick for a single server
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(serve_many(fleet, log_level="debug" if args.verbose else "warning"))
     return 0
 
 

@@ -424,7 +424,7 @@ class EngineCore:
                 self.unpin(rid)
             return expired
 
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
         """The KV bytes of blocks, block after block, in :attr:`kv_layout`."""
         raise NotImplementedError
 
@@ -454,14 +454,19 @@ class EngineCore:
         block_bytes = self.kv_layout.block_bytes
         if len(data) != n * block_bytes:
             raise ValueError(f"expected {n * block_bytes} bytes of KV, got {len(data)}")
+        view = memoryview(data)
         with self._lock:
-            have = len(self.pool.lookup(chain.digests))
-            # Room is what is free, less what waiting requests are about to need.
-            room = max(0, self.pool.num_free - self.pool.block_size)
+            prefix = self.pool.lookup(chain.digests)
+            have = len(prefix)
+            # Hold the cached prefix while allocating, or the allocation could evict it
+            # (and the stored blocks would hang off a parent the index no longer has).
+            self.pool.touch(prefix)
+            # Keep one block for the prompt's tail, which the request computes here.
+            room = max(0, self.pool.num_free - 1)
             end = have + min(n - have, room)
             if end > have:
                 block_ids = self.pool.allocate(end - have)
-                self._write_blocks(block_ids, data[have * block_bytes : end * block_bytes])
+                self._write_blocks(block_ids, view[have * block_bytes : end * block_bytes])
                 held = self.pool.cache_blocks(
                     block_ids,
                     chain.digests[have:end],
@@ -469,7 +474,8 @@ class EngineCore:
                     chain.digests[have - 1] if have else None,
                 )
                 self.pool.free(list(reversed(held)))
-                self._flush_events()
+            self.pool.free(list(reversed(prefix)))
+            self._flush_events()
             return end
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
@@ -718,16 +724,19 @@ class LLMEngine(EngineCore):
         shape = [kv.shape[0], kv.shape[1], *kv.shape[3:]]
         return KVLayout(str(kv.dtype).removeprefix("torch."), shape)
 
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
-        kv = self.runner.kv_cache
-        index = torch.tensor(list(block_ids), device=kv.device)
-        blocks = kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        return blocks.view(torch.uint8).numpy().tobytes()
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
+        kv = self.runner.kv_cache  # [layers, 2, blocks, ...]: a block is strided, copy it out
+        out = torch.empty((len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:]), dtype=kv.dtype)
+        for i, block_id in enumerate(block_ids):
+            out[i].copy_(kv[:, :, block_id])
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
         kv = self.runner.kv_cache
         shape = [len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:]]
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if (isinstance(data, memoryview) and data.readonly) or isinstance(data, bytes):
+            data = bytearray(data)  # torch wants writable memory to wrap without copying
+        raw = torch.frombuffer(data, dtype=torch.uint8)
         blocks = raw.view(kv.dtype).view(shape).to(kv.device)
         index = torch.tensor(block_ids, device=kv.device)
         kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))

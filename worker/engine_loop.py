@@ -32,19 +32,25 @@ _STOP = object()
 class TimedOutput:
     output: RequestOutput
     time: float  # time.monotonic() when the engine produced it
+    tag: int = 0  # the submitter's label (which choice of a request it belongs to)
 
 
 class _LoopStream(RequestStream):
     """A request stream whose outputs are handed to an asyncio queue by the engine loop."""
 
-    def __init__(self, owner: EngineLoop, prepared: PreparedRequest) -> None:
+    def __init__(
+        self,
+        owner: EngineLoop,
+        prepared: PreparedRequest,
+        queue: asyncio.Queue[TimedOutput],
+        tag: int,
+    ) -> None:
         super().__init__(prepared.request_id, prepared.prompt_token_ids)
-        self.owner = owner
-        self.queue: asyncio.Queue[TimedOutput] = asyncio.Queue()
+        self.owner, self.queue, self.tag = owner, queue, tag
 
     def put(self, output: RequestOutput) -> None:  # called in the engine thread
         self.ended = self.ended or output.finished
-        self.owner._post(self.queue.put_nowait, TimedOutput(output, time.monotonic()))
+        self.owner._post(self.queue.put_nowait, TimedOutput(output, time.monotonic(), self.tag))
 
 
 class EngineLoop:
@@ -92,20 +98,48 @@ class EngineLoop:
         """Like :meth:`call`, for calls nobody waits on (an abort, an unpin)."""
         self._commands.put((fn, args, None))
 
+    def submit(
+        self, prepared: PreparedRequest, queue: asyncio.Queue[TimedOutput], tag: int = 0
+    ) -> None:
+        """Queue a request; its outputs arrive on ``queue``, tagged with ``tag``. Whoever
+        stops reading before the last output must :meth:`abort` it (to free its blocks)."""
+        self._commands.put(
+            (self._submit, (prepared, _LoopStream(self, prepared, queue, tag)), None)
+        )
+
+    def _submit(self, prepared: PreparedRequest, stream: _LoopStream) -> None:
+        try:
+            self.engine.submit(prepared, stream)
+        except Exception as exc:  # the request ends at once, in error, rather than hang
+            log.error("request %s refused by the engine: %s", prepared.request_id, exc)
+            stream.put(
+                RequestOutput(
+                    prepared.request_id,
+                    [],
+                    "",
+                    True,
+                    "error",
+                    num_prompt_tokens=len(prepared.prompt_token_ids),
+                )
+            )
+
+    def abort(self, request_id: str) -> None:
+        self.call_soon(self.engine.abort, request_id)
+
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[TimedOutput]:
         """Submit a request and yield its outputs. Leaving the iteration early (a client
         that went away, a cancelled task) aborts the request and frees its blocks."""
-        stream = _LoopStream(self, prepared)
-        await self.call(self.engine.submit, prepared, stream)
+        queue: asyncio.Queue[TimedOutput] = asyncio.Queue()
+        self.submit(prepared, queue)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await queue.get()
                 finished = item.output.finished
                 yield item
         finally:
             if not finished:
-                self.call_soon(self.engine.abort, prepared.request_id)
+                self.abort(prepared.request_id)
 
     # -- the engine thread ---------------------------------------------------------------
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -24,8 +24,9 @@ MAGIC = b"KVPB"
 VERSION = 1
 _LEN = struct.Struct(">I")
 MAX_HEADER_BYTES = 16 * 2**20
-#: blocks read per chunk of the body: big enough for throughput, small enough for memory
-CHUNK_BLOCKS = 64
+#: bytes read per chunk of the body: big enough for throughput, small enough that the
+#: buffers are reused by the allocator and sending starts early
+CHUNK_BYTES = 8 * 2**20
 
 
 class TransferError(RuntimeError):
@@ -57,16 +58,13 @@ class TransferHeader:
 async def stream_blocks(
     header: TransferHeader,
     block_ids: Sequence[int],
-    read: Callable[[Sequence[int]], AsyncIterator[bytes] | bytes],
-) -> AsyncIterator[bytes]:
+    read: Callable[[Sequence[int]], Awaitable[bytes | memoryview]],
+) -> AsyncIterator[bytes | memoryview]:
     """The body of a transfer: the header, then the blocks' bytes a chunk at a time."""
     yield header.encode()
-    for start in range(0, len(block_ids), CHUNK_BLOCKS):
-        chunk = read(block_ids[start : start + CHUNK_BLOCKS])
-        if isinstance(chunk, bytes):
-            yield chunk
-        else:
-            yield await chunk  # type: ignore[misc]
+    step = max(1, CHUNK_BYTES // max(1, header.block_bytes))
+    for start in range(0, len(block_ids), step):
+        yield await read(block_ids[start : start + step])
 
 
 def _parse_header(buf: bytes | bytearray) -> tuple[TransferHeader, int] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -17,9 +18,9 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -53,6 +54,10 @@ from .settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EventSink | None], EngineCore]
+
+#: prompts up to this many characters or token ids are tokenized and hashed on the event
+#: loop (well under a millisecond); longer ones in a thread
+INLINE_PREPARE_LIMIT = 2048
 
 # Engines load one at a time: several workers in one process (a simulated fleet) would
 # otherwise import transformers' lazy modules from several threads at once, which races.
@@ -93,6 +98,8 @@ class _Job:
     transfer: KVTransferParams | None
     cache_salt: str | None
     queued_tokens: int = 0
+    outputs: asyncio.Queue[TimedOutput] = field(default_factory=asyncio.Queue)
+    unfinished: set[str] = field(default_factory=set)  # engine requests still running
 
 
 class WorkerServer:
@@ -166,7 +173,13 @@ class WorkerServer:
 
     def _make_engine(self, sink: EventSink | None) -> EngineCore:
         with _LOAD_LOCK:
-            return self.engine_factory(sink)
+            engine = self.engine_factory(sink)
+            # What loading made lives as long as the process: take it out of the cyclic
+            # collector's reach, or every full collection walks it (hundreds of ms with a
+            # fleet of engines in one process, stalling every request).
+            gc.collect()
+            gc.freeze()
+            return engine
 
     async def shutdown(self) -> None:
         self.draining = True
@@ -416,10 +429,12 @@ class WorkerServer:
             block_hashes=pin.block_keys,
         )
 
-        async def read(ids: list[int]) -> bytes:
+        async def read(ids: Sequence[int]) -> bytes | memoryview:
+            if not header.block_bytes:
+                return b""
             return await asyncio.to_thread(engine.read_blocks, ids)
 
-        async def body() -> AsyncIterator[bytes]:
+        async def body() -> AsyncIterator[bytes | memoryview]:
             try:
                 async for chunk in stream_blocks(header, pin.block_ids, read):
                     yield chunk
@@ -548,11 +563,11 @@ class WorkerServer:
         for i, prompt in enumerate(prompts):
             # Unique in the engine even when a client reuses its X-Request-Id.
             rid = f"{base_id}-{i}-{uuid.uuid4().hex[:8]}"
-            prepared.append(
-                await asyncio.to_thread(
-                    self._prepare, engine, prompt, req, max_tokens, logprobs, rid, transfer
-                )
-            )
+            args = (engine, prompt, req, max_tokens, logprobs, rid, transfer)
+            if len(prompt) <= INLINE_PREPARE_LIMIT:  # cheaper here than a thread hop
+                prepared.append(self._prepare(*args))
+            else:  # tokenizing and hashing a long prompt would stall the event loop
+                prepared.append(await asyncio.to_thread(self._prepare, *args))
         job = _Job(
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + base_id,
             kind=kind,
@@ -566,6 +581,11 @@ class WorkerServer:
             cache_salt=req.cache_salt,
         )
         self._admit(job, metrics)
+        try:
+            await self._start(job)
+        except BaseException:  # the client left during a remote prefill's pull
+            self._done(job)
+            raise
         log.debug(
             "request %s: %s, %d prompt(s), %d prompt tokens%s",
             base_id,
@@ -740,45 +760,40 @@ class WorkerServer:
         job.queued_tokens -= n
         self.queued_tokens -= n
 
+    async def _start(self, job: _Job) -> None:
+        """Hand the job's requests to the engine now (a decode leg pulls its prefill first),
+        so the engine works while the response is being set up."""
+        _, loop, _ = self._ready()
+        for i, prepared in enumerate(job.prepared):
+            t = job.transfer
+            if t is not None and t.do_remote_prefill:
+                await self._pull_remote_prefill(prepared, t, job.cache_salt)
+            job.unfinished.add(prepared.request_id)
+            loop.submit(prepared, job.outputs, i)
+
     async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, TimedOutput]]:
-        """All the job's engine outputs as they come, tagged with their choice index."""
+        """All the job's engine outputs as they come, tagged with their choice index. A
+        reader that stops early aborts the requests still running."""
         _, loop, metrics = self._ready()
-        merged: asyncio.Queue[tuple[int, TimedOutput] | BaseException] = asyncio.Queue()
-
-        async def run(index: int, prepared: PreparedRequest) -> None:
-            try:
-                t = job.transfer
-                if t is not None and t.do_remote_prefill:
-                    await self._pull_remote_prefill(prepared, t, job.cache_salt)
-                timer = RequestTimer(metrics, job.arrival)
-                first = True
-                async for item in loop.generate(prepared):
-                    if first:
-                        self._prefilled(job, prepared)
-                        first = False
-                    timer.observe(item.output, item.time)
-                    merged.put_nowait((index, item))
-            except Exception as exc:
-                merged.put_nowait(exc)
-
-        tasks = [asyncio.create_task(run(i, p)) for i, p in enumerate(job.prepared)]
-        remaining = len(tasks)
+        timers = [RequestTimer(metrics, job.arrival) for _ in job.prepared]
+        started = [False] * len(job.prepared)
         try:
-            while remaining:
-                got = await merged.get()
-                if isinstance(got, BaseException):
-                    raise got
-                if got[1].output.finished:
-                    remaining -= 1
-                yield got
+            while job.unfinished:
+                item = await job.outputs.get()
+                i, out = item.tag, item.output
+                if not started[i]:
+                    started[i] = True
+                    self._prefilled(job, job.prepared[i])
+                timers[i].observe(out, item.time)
+                if out.finished:
+                    job.unfinished.discard(out.request_id)
+                yield i, item
         finally:
-            # Nothing here may await before the bookkeeping: under a cancelled scope
-            # (a client that left) every await raises again.
-            if remaining:  # the client left: its requests are aborted
-                metrics.request_success.labels(self.model_name, "abort").inc(remaining)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if job.unfinished:  # the client left: its requests are aborted
+                metrics.request_success.labels(self.model_name, "abort").inc(len(job.unfinished))
+                for request_id in job.unfinished:
+                    loop.abort(request_id)
+                job.unfinished.clear()
 
     async def _answer(self, request: Request, job: _Job) -> Response:
         headers = {"X-Request-Id": job.id.split("-", 1)[1]}

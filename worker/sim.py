@@ -177,7 +177,7 @@ class SimEngine(EngineCore):
     def kv_layout(self) -> KVLayout:
         return KVLayout("none", [])
 
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
         return b""
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
