@@ -50,7 +50,8 @@ class _LoopStream(RequestStream):
 
     def put(self, output: RequestOutput) -> None:  # called in the engine thread
         self.ended = self.ended or output.finished
-        self.owner._post(self.queue.put_nowait, TimedOutput(output, time.monotonic(), self.tag))
+        # Stamped when handed over (after the step), the moment a client could see it.
+        self.owner._post(self.queue.put_nowait, TimedOutput(output, 0.0, self.tag))
 
 
 class EngineLoop:
@@ -147,9 +148,13 @@ class EngineLoop:
             self._outbox.append((fn, args))
 
     def _flush(self) -> None:
+        now = time.monotonic()
         with self._outbox_lock:
             if not self._outbox:
                 return
+            for _, args in self._outbox:
+                if args and isinstance(args[0], TimedOutput) and not args[0].time:
+                    args[0].time = now
         if self._loop is not None and not self._loop.is_closed():
             with suppress(RuntimeError):  # the loop closed in between
                 self._loop.call_soon_threadsafe(self._drain_outbox)

@@ -236,18 +236,18 @@ class WorkerServer:
             )
             return JSONResponse(err.body(), status_code=500)
 
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics_endpoint, methods=["GET"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/kvpool/info", self.info, methods=["GET"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
-        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
-        app.add_api_route("/drain", self.drain_endpoint, methods=["POST"])
-        app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
-        app.add_api_route("/kv/{request_id}", self.get_kv, methods=["GET"])
-        app.add_api_route("/kv/{request_id}", self.delete_kv, methods=["DELETE"])
+        app.add_route("/health", self.health, methods=["GET"])
+        app.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_route("/v1/models", self.models, methods=["GET"])
+        app.add_route("/kvpool/info", self.info, methods=["GET"])
+        app.add_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_route("/drain", self.drain_endpoint, methods=["POST"])
+        app.add_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
+        app.add_route("/kv/{request_id}", self.get_kv, methods=["GET"])
+        app.add_route("/kv/{request_id}", self.delete_kv, methods=["DELETE"])
         return app
 
     # -- plumbing ------------------------------------------------------------------------
@@ -313,15 +313,15 @@ class WorkerServer:
             )
 
     # -- small endpoints -----------------------------------------------------------------
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         self._serving()
         return JSONResponse({"status": "ok"})
 
-    async def metrics_endpoint(self) -> Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         _, _, metrics = self._ready()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
         max_len = self.engine.max_model_len if self.engine is not None else None
         card = {
             "id": self.model_name,
@@ -334,7 +334,7 @@ class WorkerServer:
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def info(self) -> JSONResponse:
+    async def info(self, request: Request) -> JSONResponse:
         engine, _, _ = self._ready()
         events = None
         if self.publisher is not None:
@@ -360,11 +360,11 @@ class WorkerServer:
         )
         return JSONResponse(info.model_dump())
 
-    async def drain_endpoint(self) -> JSONResponse:
+    async def drain_endpoint(self, request: Request) -> JSONResponse:
         drained = await self.drain()
         return JSONResponse({"drained": drained, "in_flight": self.in_flight})
 
-    async def reset_prefix_cache(self) -> JSONResponse:
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
         engine, loop, _ = self._ready()
         if not await loop.call(engine.reset_prefix_cache):
             raise OpenAIError(
@@ -407,7 +407,8 @@ class WorkerServer:
         return engine.tokenizer
 
     # -- KV hand-off: the prefill side ---------------------------------------------------
-    async def get_kv(self, request_id: str) -> StreamingResponse:
+    async def get_kv(self, request: Request) -> StreamingResponse:
+        request_id = request.path_params["request_id"]
         engine, loop, metrics = self._ready()
         pin = await loop.call(engine.open_pinned, request_id)
         if pin is None:
@@ -447,7 +448,8 @@ class WorkerServer:
             body(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
         )
 
-    async def delete_kv(self, request_id: str) -> JSONResponse:
+    async def delete_kv(self, request: Request) -> JSONResponse:
+        request_id = request.path_params["request_id"]
         engine, loop, _ = self._ready()
         if not await loop.call(engine.unpin, request_id):
             raise OpenAIError(

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
-from .engine import EngineConfig, EngineCore, EventSink, KVLayout, Sampled
+from .engine import EngineConfig, EngineCore, EventSink, KVLayout, RequestOutput, Sampled
 from .loader import load_tokenizer
 from .scheduler import ScheduledBatch
 from .sequence import Sequence as Seq
@@ -106,12 +106,21 @@ class SimEngine(EngineCore):
         self.timing = timing or TimingModel()
         self.virtual = virtual
         self.now = 0.0 if virtual else time.monotonic()
+        self._step_start = self.now
+        self._deadline: float | None = None
         # Output tokens are drawn from ordinary tokens only: a simulated request ends at
         # max_tokens or a stop string, never by chance, so benchmark lengths are exact.
         special = set(self.eos_token_ids)
+        ordinary = range(vocab_size)
         if tokenizer is not None:
             special |= set(getattr(tokenizer, "all_special_ids", []))
-        self._tokens = [t for t in range(vocab_size) if t not in special]
+            # ... and only tokens that are text by themselves (not a piece of a UTF-8
+            # character), so every simulated token streams at once, as TTFT assumes.
+            texts = tokenizer.batch_decode([[t] for t in ordinary])
+            ordinary = [
+                t for t, text in zip(ordinary, texts, strict=True) if text and "\ufffd" not in text
+            ]
+        self._tokens = [t for t in ordinary if t not in special]
 
     @classmethod
     def from_model_dir(
@@ -152,16 +161,25 @@ class SimEngine(EngineCore):
         ).digest()
         return self._tokens[int.from_bytes(raw) % len(self._tokens)]
 
+    def step(self) -> list[RequestOutput]:
+        # The step ends at its deadline, counted from before scheduling: the Python work
+        # of the step (scheduling, caching, detokenizing) is part of it, not added to it.
+        self._step_start = time.monotonic()
+        outputs = super().step()
+        if self._deadline is not None:
+            delay = self._deadline - time.monotonic()
+            self._deadline = None
+            if delay > 0:
+                time.sleep(delay)
+        return outputs
+
     def _execute(self, batch: ScheduledBatch) -> list[Sampled]:
         seconds = self.timing.step_seconds(batch)
         if self.virtual:
             self.now += seconds
         else:
-            # Sleep to a deadline, so the time spent here in Python is part of the step.
-            self.now = max(self.now, time.monotonic()) + seconds
-            delay = self.now - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+            self.now = max(self.now, self._step_start) + seconds
+            self._deadline = self.now
         out: list[Sampled] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.num_computed_tokens + n == seq.num_tokens:
