@@ -124,7 +124,7 @@ def consecutive_free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def test_a_sim_fleet_hosts_many_workers_in_one_process(llama_dir: Path) -> None:
+def test_a_sim_fleet_hosts_many_workers_in_one_or_more_processes(llama_dir: Path) -> None:
     count = 4
     base = consecutive_free_ports(count)
     kvpool = str(Path(sys.executable).with_name("kvpool"))
@@ -141,6 +141,8 @@ def test_a_sim_fleet_hosts_many_workers_in_one_process(llama_dir: Path) -> None:
             str(base),
             "--sim-time-scale",
             "0.01",
+            "--processes",
+            "2",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

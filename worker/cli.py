@@ -19,6 +19,8 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 import types
 import typing
@@ -126,6 +128,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_sim_fleet(args: argparse.Namespace) -> int:
     from .server import serve_many
 
+    if args.count < 1 or args.processes < 1:
+        raise ValueError("--count and --processes must be at least 1")
     base = _settings_values(args, skip=("port", "engine", "kv_events_endpoint"))
     fleet = []
     for i in range(args.count):
@@ -138,15 +142,55 @@ def _cmd_sim_fleet(args: argparse.Namespace) -> int:
     for s in fleet:
         line = {"url": f"http://{s.host}:{s.port}", "kv_events_endpoint": s.kv_events_endpoint}
         print(json.dumps(line), flush=True)
+    # One process is one GIL: --processes N spreads the workers over N processes (this
+    # one and N-1 children), so a fleet can use every core of the machine.
+    per = -(-args.count // args.processes)
+    children = [
+        _spawn_fleet_part(args, base, start, min(per, args.count - start))
+        for start in range(per, args.count, per)
+    ]
     try:  # the event loop uvicorn would pick for a single server
         import uvloop
 
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:
         runner = asyncio.Runner()
-    with runner:
-        runner.run(serve_many(fleet, log_level="debug" if args.verbose else "warning"))
+    try:
+        with runner:
+            runner.run(serve_many(fleet[:per], log_level="debug" if args.verbose else "warning"))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=float(base.get("drain_timeout_s", 30)) + 10)
+            except subprocess.TimeoutExpired:
+                child.kill()
     return 0
+
+
+def _spawn_fleet_part(
+    args: argparse.Namespace, values: dict[str, Any], start: int, count: int
+) -> subprocess.Popen[bytes]:
+    """A child ``sim-fleet`` process for workers ``start .. start + count - 1``."""
+    argv = [
+        sys.executable,
+        "-c",
+        "import sys; from kvpool.cli import main; sys.exit(main())",
+        "worker",
+        "sim-fleet",
+        "--count",
+        str(count),
+        "--base-port",
+        str(args.base_port + start),
+    ]
+    if args.kv_events_base_port:
+        argv += ["--kv-events-base-port", str(args.kv_events_base_port + start)]
+    for name, value in values.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sim-fleet", help="run N simulated workers in one process")
     p.add_argument("--count", type=int, required=True, help="how many workers")
     p.add_argument("--base-port", type=int, default=8100, help="HTTP port of the first")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="spread the workers over this many processes (one GIL each)",
+    )
     p.add_argument(
         "--kv-events-base-port",
         type=int,
