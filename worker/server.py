@@ -100,6 +100,7 @@ class _Job:
     queued_tokens: int = 0
     outputs: asyncio.Queue[TimedOutput] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)  # engine requests still running
+    done: bool = False  # its accounting (in flight, queued tokens) is settled
 
 
 class WorkerServer:
@@ -507,19 +508,24 @@ class WorkerServer:
 
     # -- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         req = parse_request(CompletionRequest, await self._body(request))
-        job = await self._job(request, req, "completion")
+        job = await self._job(request, req, "completion", arrival)
         return await self._answer(request, job)
 
     async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
         req = parse_request(ChatCompletionRequest, await self._body(request))
-        job = await self._job(request, req, "chat")
+        job = await self._job(request, req, "chat", arrival)
         return await self._answer(request, job)
 
     async def _job(
-        self, request: Request, req: CompletionRequest | ChatCompletionRequest, kind: str
+        self,
+        request: Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        kind: str,
+        arrival: float,
     ) -> _Job:
-        arrival = time.monotonic()
         self._check_model(req.model)
         engine, _, metrics = self._serving()
         bad = req.unsupported()
@@ -531,17 +537,14 @@ class WorkerServer:
         base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if isinstance(req, ChatCompletionRequest):
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            try:
-                ids = await asyncio.to_thread(
-                    self._render_chat,
-                    engine,
-                    messages,
-                    req.add_generation_prompt,
-                    req.continue_final_message,
-                    req.chat_template_kwargs,
-                )
-            except OpenAIError:
-                raise
+            ids = await asyncio.to_thread(
+                self._render_chat,
+                engine,
+                messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
             prompts: list[str | list[int]] = [ids]
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = (
@@ -750,7 +753,15 @@ class WorkerServer:
         self.in_flight += 1
         self._idle.clear()
 
+    def _close(self, job: _Job) -> None:
+        """After a streamed response, sent or not: nothing of the job may outlive it."""
+        self._abandon(job)
+        self._done(job)
+
     def _done(self, job: _Job) -> None:
+        if job.done:
+            return
+        job.done = True
         self.queued_tokens -= job.queued_tokens
         job.queued_tokens = 0
         self.in_flight -= 1
@@ -776,7 +787,7 @@ class WorkerServer:
     async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, TimedOutput]]:
         """All the job's engine outputs as they come, tagged with their choice index. A
         reader that stops early aborts the requests still running."""
-        _, loop, metrics = self._ready()
+        _, _, metrics = self._ready()
         timers = [RequestTimer(metrics, job.arrival) for _ in job.prepared]
         started = [False] * len(job.prepared)
         try:
@@ -791,18 +802,20 @@ class WorkerServer:
                     job.unfinished.discard(out.request_id)
                 yield i, item
         finally:
-            if job.unfinished:  # the client left: its requests are aborted
-                metrics.request_success.labels(self.model_name, "abort").inc(len(job.unfinished))
-                for request_id in job.unfinished:
-                    loop.abort(request_id)
-                job.unfinished.clear()
+            self._abandon(job)
+
+    def _abandon(self, job: _Job) -> None:
+        """Abort what still runs of a job whose client left (idempotent)."""
+        if job.unfinished and self.loop is not None and self.metrics is not None:
+            self.metrics.request_success.labels(self.model_name, "abort").inc(len(job.unfinished))
+            for request_id in job.unfinished:
+                self.loop.abort(request_id)
+            job.unfinished.clear()
 
     async def _answer(self, request: Request, job: _Job) -> Response:
         headers = {"X-Request-Id": job.id.split("-", 1)[1]}
         if job.stream:
-            return StreamingResponse(
-                self._sse(job), media_type="text/event-stream", headers=headers
-            )
+            return _EventStream(self._sse(job), lambda: self._close(job), headers=headers)
         collect = asyncio.create_task(self._collect(job))
         gone = asyncio.create_task(_disconnected(request))
         try:
@@ -986,6 +999,23 @@ class WorkerServer:
             yield b"data: [DONE]\n\n"
         finally:
             self._done(job)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends, even if the client left
+    before the body started (then the body's own ``finally`` never runs)."""
+
+    def __init__(
+        self, body: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(body, media_type="text/event-stream", **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _disconnected(request: Request) -> None:
