@@ -7,7 +7,10 @@ import threading
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvpool.hashing import HASH_ALGORITHM, block_key
 from kvpool.kv_events import EventSubscriber, Received
@@ -202,15 +205,21 @@ def test_metrics_agree_with_the_engine(worker: RunningWorker) -> None:
     assert m("vllm:request_success_total", finished_reason="length") == 4
 
 
-async def test_event_subscriber_ends_with_the_pool_s_blocks(start_worker: Any) -> None:
+@pytest.mark.parametrize(("encoding", "topic"), [("array", ""), ("map", "kv@worker-1")])
+async def test_event_subscriber_ends_with_the_pool_s_blocks(
+    start_worker: Any, encoding: str, topic: str
+) -> None:
     # A small cache, so that the load also evicts.
     worker = start_worker(
         num_blocks=24,
         kv_events_endpoint="tcp://127.0.0.1:*",
         kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        kv_events_encoding=encoding,
+        kv_events_topic=topic,
     )
     async with httpx.AsyncClient(base_url=worker.url, timeout=60) as client:
         info = (await client.get("/kvpool/info")).json()["kv_events"]
+    assert (info["encoding"], info["topic"]) == (encoding, topic)
     index: set[int] = set()
     caught_up = asyncio.Event()
     last_seq: list[int] = []  # the publisher's last sequence number, once the load is done
@@ -231,7 +240,12 @@ async def test_event_subscriber_ends_with_the_pool_s_blocks(start_worker: Any) -
             if last_seq and item.seq >= last_seq[0]:
                 caught_up.set()
 
-    async with EventSubscriber(info["endpoint"], info["replay_endpoint"], start_seq=0) as sub:
+    raw = zmq.asyncio.Context.instance().socket(zmq.SUB)  # the wire itself, undecoded
+    raw.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    raw.connect(info["endpoint"])
+    async with EventSubscriber(
+        info["endpoint"], info["replay_endpoint"], topic=topic, start_seq=0
+    ) as sub:
         task = asyncio.create_task(follow(sub))
         async with httpx.AsyncClient(base_url=worker.url, timeout=60) as client:
             prompts = [f"{PROMPT} {'again ' * (i % 5)} number {i}" for i in range(24)]
@@ -248,6 +262,11 @@ async def test_event_subscriber_ends_with_the_pool_s_blocks(start_worker: Any) -
         await asyncio.wait({task, waiter}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
         assert caught_up.is_set(), task.exception() if task.done() else "events stopped"
         task.cancel()
+    frames = await asyncio.wait_for(raw.recv_multipart(), 10)
+    raw.close(linger=0)
+    assert frames[0] == topic.encode()
+    first_event = msgspec.msgpack.decode(frames[2])[1][0]
+    assert isinstance(first_event, dict) == (encoding == "map")
     pool = {block_key(d) for d in worker.engine.pool.cached_digests}
     assert worker.metric("vllm:prefix_cache_queries_total") > 0
     assert index == pool and len(pool) > 0
