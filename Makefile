@@ -39,6 +39,8 @@ pytest: install
 bench: install
 	$(PY) bench/hashing.py
 	$(PY) bench/engine.py
+	$(PY) bench/kv_transfer.py
+	$(PY) bench/sim_fleet.py
 
 # Today: one worker server with the tiny model, the OpenAI API on http://127.0.0.1:8000 and
 # KV events on tcp://127.0.0.1:5557 (replay on 5558); Ctrl-C drains and stops it. It becomes
