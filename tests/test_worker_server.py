@@ -200,6 +200,9 @@ def test_metrics_agree_with_the_engine(worker: RunningWorker) -> None:
     assert m("vllm:num_requests_running") == 0 and m("vllm:num_requests_waiting") == 0
     assert m("vllm:kv_cache_usage_perc") == stats.kv_usage == 0
     assert m("vllm:time_to_first_token_seconds_count") == 4
+    # every latency is a real duration, and a first token comes before the end
+    assert 0 < m("vllm:time_to_first_token_seconds_sum") < m("vllm:e2e_request_latency_seconds_sum")
+    assert m("vllm:inter_token_latency_seconds_sum") > 0
     assert m("vllm:e2e_request_latency_seconds_count") == 4
     assert m("vllm:inter_token_latency_seconds_count") == 16
     assert m("vllm:request_success_total", finished_reason="length") == 4

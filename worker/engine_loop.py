@@ -147,23 +147,27 @@ class EngineLoop:
         with self._outbox_lock:
             self._outbox.append((fn, args))
 
-    def _flush(self) -> None:
+    def _take(self) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """What the engine thread posted so far, outputs stamped with the time now."""
         now = time.monotonic()
         with self._outbox_lock:
-            if not self._outbox:
-                return
-            for _, args in self._outbox:
-                if args and isinstance(args[0], TimedOutput) and not args[0].time:
-                    args[0].time = now
-        if self._loop is not None and not self._loop.is_closed():
+            items, self._outbox = self._outbox, []
+        for _, args in items:
+            if args and isinstance(args[0], TimedOutput) and not args[0].time:
+                args[0].time = now
+        return items
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to the event loop. Exactly these: outputs of a later
+        step must not ride along before their step is over."""
+        items = self._take()
+        if items and self._loop is not None and not self._loop.is_closed():
             with suppress(RuntimeError):  # the loop closed in between
-                self._loop.call_soon_threadsafe(self._drain_outbox)
+                self._loop.call_soon_threadsafe(_deliver, items)
 
     def _drain_outbox(self) -> None:
-        with self._outbox_lock:
-            items, self._outbox = self._outbox, []
-        for fn, args in items:
-            fn(*args)
+        """Deliver what is left (after the thread has ended)."""
+        _deliver(self._take())
 
     def _run_command(self, command: Any) -> None:
         fn, args, future = command
@@ -224,6 +228,11 @@ class EngineLoop:
                 self.prompt_token_rate = 0.5 * self.prompt_token_rate + 0.5 * rate
                 last_prompt_tokens, last_time = stats.prompt_tokens, now
             self._flush()
+
+
+def _deliver(items: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+    for fn, args in items:
+        fn(*args)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
