@@ -2,22 +2,24 @@
 
 Two real worker servers (``kvpool worker serve``, one process each, role prefill and role
 decode) on 127.0.0.1 serve a random Llama whose KV block is 1 MiB in float32 (8 layers,
-8 KV heads of 128, block size 16), so a 2,048-token prompt hands off 128 MiB. Each repeat:
+8 KV heads of 128, block size 16), so a 2,048-token prompt hands off 128 MiB, sent in
+chunks of ``kv_transfer.CHUNK_BYTES`` (8 MiB: 8 blocks). Each repeat:
 
 * pull: a fresh prefill leg (``do_remote_decode``, max_tokens 1) on the prefill worker,
   then ``GET /kv/{id}`` timed end to end with ``pull_blocks``, the decode worker's own
   client code; then the DELETE that releases the pin. Goal: >= 200 MB/s (median).
-* baseline, same run: the same bytes, in the same transfer format, from a minimal asyncio
-  server holding them in memory, read by the same ``pull_blocks`` (what the client and
-  loopback cost with no server-side work).
+* baseline, same run: the same bytes, in the same transfer format and chunks, from a
+  minimal asyncio server holding them in memory, read by the same ``pull_blocks`` (what
+  the client and loopback cost with no server-side work).
 * decode leg: a fresh prefill, then the decode worker's request with its
   ``kv_transfer_params``; its own ``kvpool_worker_kv_pull_seconds`` (pull + import) and
   received bytes from /metrics, split into its ``pull_blocks`` and ``import_blocks`` by
   timers the benchmark's launcher wraps around them, and the request's time to its one
   token, against recomputing a fresh prompt of the same length on the decode worker.
 
-A breakdown (instrumented pull, ``read_blocks`` and ``import_blocks`` in this process, a
-plain socket read of the same bytes) says where the time goes.
+A breakdown says where the time goes: the time to the parsed header of a pull, and
+``read_blocks`` (chunk by chunk, as the prefill worker reads them) and ``import_blocks``
+of a whole prompt's blocks on an engine in this process, without HTTP.
 
 Writes bench/results/kv_transfer.{md,json}.
 """
@@ -61,19 +63,21 @@ def median_spread(xs: list[float], fmt: str = ".3g") -> str:
     return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
+def chunk_blocks(block_bytes: int) -> int:
+    """Blocks per chunk of a transfer's body, as ``stream_blocks`` cuts it."""
+    from kvpool.worker.kv_transfer import CHUNK_BYTES
+
+    return max(1, CHUNK_BYTES // block_bytes)
+
+
 # -- the processes this benchmark starts -------------------------------------------------------
 def worker_main(argv: list[str]) -> int:
-    """``kvpool worker <argv>``; ``--chunk-blocks N`` first sets the transfer's chunk size
-    (the proposed fix, measured beside the default). With ``KVPOOL_BENCH_KV_TRACE`` set
-    to a file, the decode side's two halves of a hand-off are timed there: a line
-    ``pull SECONDS BYTES`` per ``pull_blocks`` and ``import SECONDS`` per
-    ``import_blocks``."""
-    from kvpool.worker import cli, kv_transfer, server
+    """``kvpool worker <argv>``. With ``KVPOOL_BENCH_KV_TRACE`` set to a file, the decode
+    side's two halves of a hand-off are timed there: a line ``pull SECONDS BYTES`` per
+    ``pull_blocks`` and ``import SECONDS`` per ``import_blocks``."""
+    from kvpool.worker import cli, server
     from kvpool.worker.engine import EngineCore
 
-    if argv[:1] == ["--chunk-blocks"]:
-        kv_transfer.CHUNK_BLOCKS = int(argv[1])
-        argv = argv[2:]
     if path := os.environ.get("KVPOOL_BENCH_KV_TRACE"):
         out = open(path, "a", buffering=1)  # open for the life of the process
         pull, import_blocks = server.pull_blocks, EngineCore.import_blocks
@@ -98,7 +102,7 @@ def worker_main(argv: list[str]) -> int:
 def raw_server_main(port: int, header: bytes, body_bytes: int, chunk: int) -> None:
     """The baseline: an HTTP/1.1 server that answers every GET with ``header`` and
     ``body_bytes`` zero bytes, already in memory, written ``chunk`` bytes at a time."""
-    payload = header + bytes(body_bytes)
+    body = bytes(body_bytes)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError):
@@ -107,10 +111,11 @@ def raw_server_main(port: int, header: bytes, body_bytes: int, chunk: int) -> No
                     pass
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
-                    b"content-length: %d\r\n\r\n" % len(payload)
+                    b"content-length: %d\r\n\r\n" % (len(header) + body_bytes)
                 )
-                view = memoryview(payload)
-                for start in range(0, len(payload), chunk):
+                writer.write(header)
+                view = memoryview(body)
+                for start in range(0, body_bytes, chunk):
                     writer.write(view[start : start + chunk])
                     await writer.drain()
         writer.close()
@@ -158,12 +163,12 @@ async def wait_ready(client: Any, url: str, proc: subprocess.Popen[bytes], log: 
     raise RuntimeError(f"{url} was not ready within 120 s:\n{log_tail(log)}")
 
 
-def read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines()
-
-
 def log_tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
+
+
+def logs_tail(tmp: Path) -> str:
+    return "\n".join(f"{p.name}: {log_tail(p)}" for p in sorted(tmp.glob("*.log")))
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -202,8 +207,6 @@ def scrape(text: str) -> dict[str, float]:
         for s in family.samples:
             if s.name == "kvpool_worker_kv_pull_seconds_sum":
                 out["pull_seconds"] = out.get("pull_seconds", 0.0) + s.value
-            elif s.name == "kvpool_worker_kv_pull_seconds_count":
-                out["pulls"] = out.get("pulls", 0.0) + s.value
             elif (
                 s.name == "kvpool_worker_kv_transfer_bytes_total"
                 and s.labels.get("direction") == "received"
@@ -214,74 +217,29 @@ def scrape(text: str) -> dict[str, float]:
     return out
 
 
-async def instrumented_pull(client: Any, url: str) -> dict[str, float]:
-    """The loop of ``pull_blocks``, timing each piece: time to first byte and to the
-    parsed header, and the stalls (gaps over 2 ms between pieces, when the server is
-    reading blocks rather than sending)."""
+async def time_to_header(client: Any, url: str) -> float:
+    """Seconds from sending ``GET /kv`` to a parsed transfer header (the body is read to
+    its end, as a pull would)."""
     from kvpool.worker.kv_transfer import _parse_header
 
     buf = bytearray()
-    header = None
     start = time.perf_counter()
-    first = header_at = None
-    last = start
-    stalls: list[float] = []
-    pieces = 0
+    header_at = None
     async with client.stream("GET", url, timeout=120) as response:
         async for piece in response.aiter_raw():
-            now = time.perf_counter()
-            if first is None:
-                first = now - start
-            elif now - last > 0.002:
-                stalls.append(now - last)
-            last = now
-            pieces += 1
-            buf += piece
-            if header is None and (parsed := _parse_header(buf)) is not None:
-                header = parsed[0]
-                header_at = now - start
-    total = time.perf_counter() - start
-    return {
-        "total_s": total,
-        "first_byte_s": first or 0.0,
-        "header_s": header_at or 0.0,
-        "stall_s": sum(stalls),
-        "stalls": len(stalls),
-        "longest_stall_s": max(stalls, default=0.0),
-        "pieces": pieces,
-        "mb_per_s": len(buf) / total / MB,
-    }
+            if header_at is None:
+                buf += piece
+                if _parse_header(buf) is not None:
+                    header_at = time.perf_counter() - start
+    if header_at is None:
+        raise RuntimeError(f"{url}: no transfer header")
+    return header_at
 
 
-def socket_read(port: int, nbytes: int) -> float:
-    """A plain blocking socket reading the baseline server's body into one preallocated
-    buffer: the loopback's own speed, without an HTTP client."""
-    buf = bytearray(nbytes + 65536)
-    view = memoryview(buf)
-    start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"GET /kv HTTP/1.1\r\nhost: x\r\n\r\n")
-        got = 0
-        head_end = -1
-        total = None
-        while total is None or got < total:
-            n = s.recv_into(view[got:])
-            if not n:
-                break
-            got += n
-            if head_end < 0 and (head_end := bytes(buf[: min(got, 4096)]).find(b"\r\n\r\n")) >= 0:
-                head = bytes(buf[:head_end]).decode().lower()
-                length = int(head.split("content-length:")[1].split("\r\n")[0])
-                total = head_end + 4 + length
-    return time.perf_counter() - start
-
-
-def in_process(model_dir: Path, num_tokens: int, small_chunk: int, repeats: int) -> dict[str, Any]:
+def in_process(model_dir: Path, num_tokens: int, repeats: int) -> dict[str, Any]:
     """``read_blocks`` of a whole prompt's blocks, chunk by chunk as ``stream_blocks``
-    reads them (default chunk and ``small_chunk``), and ``import_blocks`` of them, on an
-    engine in this process (no HTTP)."""
+    reads them, and ``import_blocks`` of them, on an engine in this process (no HTTP)."""
     from kvpool.worker.engine import EngineConfig, LLMEngine
-    from kvpool.worker.kv_transfer import CHUNK_BLOCKS
 
     blocks = num_tokens // 16
     engine = LLMEngine.from_pretrained(
@@ -289,66 +247,52 @@ def in_process(model_dir: Path, num_tokens: int, small_chunk: int, repeats: int)
         EngineConfig(num_blocks=blocks * (repeats + 2), device="cpu", dtype="float32"),
     )
     engine.runner.kv_cache.normal_()
-    layout = engine.kv_layout
+    step = chunk_blocks(engine.kv_layout.block_bytes)
     rng = random.Random(7)
-    vocab = engine.vocab_size
     ids = list(range(blocks))
-    read_ms: dict[int, list[float]] = {CHUNK_BLOCKS: [], small_chunk: []}
-    import_ms = []
-    data = bytearray(layout.block_bytes * blocks)
+    read_ms, import_ms = [], []
+    data = bytearray(engine.kv_layout.block_bytes * blocks)
     for _ in range(repeats):
-        for size, times in read_ms.items():
-            start = time.perf_counter()
-            for at in range(0, blocks, size):
-                engine.read_blocks(ids[at : at + size])
-            times.append((time.perf_counter() - start) * 1000)
+        start = time.perf_counter()
+        for at in range(0, blocks, step):
+            engine.read_blocks(ids[at : at + step])
+        read_ms.append((time.perf_counter() - start) * 1000)
     for _ in range(repeats):
-        prompt = [rng.randrange(8, vocab) for _ in range(num_tokens)]
+        prompt = [rng.randrange(8, engine.vocab_size) for _ in range(num_tokens)]
         chain = engine.hasher.chain()
         chain.extend(prompt)
         start = time.perf_counter()
         stored = engine.import_blocks(prompt, chain.keys, data)
         import_ms.append((time.perf_counter() - start) * 1000)
         assert stored == blocks, stored
-    return {
-        "read_blocks_ms": read_ms[CHUNK_BLOCKS],
-        "read_blocks_small_chunks_ms": read_ms[small_chunk],
-        "import_blocks_ms": import_ms,
-    }
+    return {"read_blocks_ms": read_ms, "import_blocks_ms": import_ms}
 
 
 async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     import httpx
 
     from kvpool.worker.engine import KVLayout
-    from kvpool.worker.kv_transfer import CHUNK_BLOCKS, TransferHeader, pull_blocks
+    from kvpool.worker.kv_transfer import TransferHeader, pull_blocks
 
-    me = ME
-    num_blocks = str(args.tokens // 16 * 4 + 64)
     common = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32"]
-    common += ["--num-blocks", num_blocks, "--drain-timeout-s", "1"]
+    common += ["--num-blocks", str(args.tokens // 16 * 4 + 64), "--drain-timeout-s", "1"]
     common += ["--max-num-batched-tokens", str(max(2048, args.tokens))]
-    p_port, s_port, d_port, r_port = free_port(), free_port(), free_port(), free_port()
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
     prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    small_url = f"http://127.0.0.1:{s_port}"
+    raw_url = f"http://127.0.0.1:{r_port}/kv/raw"
 
     blocks = args.tokens // 16
     layout = KVLayout("float32", [SHAPE["num_hidden_layers"], 2, 16, 8, 128])
     fake = TransferHeader("raw", "float32", layout.block_shape, layout.layout,
                           layout.block_bytes, 16, args.tokens, list(range(blocks)))  # fmt: skip
-    chunk = CHUNK_BLOCKS * layout.block_bytes
-    raw = [me, "--raw-server", str(r_port), fake.encode().hex(), str(fake.body_bytes), str(chunk)]
-    worker = [sys.executable, me, "--worker"]
-    serve = ["serve", *common]
-    small = ["--chunk-blocks", str(args.small_chunk_blocks)]
+    chunk = chunk_blocks(layout.block_bytes) * layout.block_bytes
+    raw = [ME, "--raw-server", str(r_port), fake.encode().hex(), str(fake.body_bytes), str(chunk)]
+    serve = [sys.executable, ME, "--worker", "serve", *common]
     kv_trace = tmp / "kv_trace.log"
     with (
-        process([*worker, *serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log") as p,
+        process([*serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log") as p,
         process(
-            [*worker, *small, *serve, "--role", "prefill", "--port", str(s_port)], tmp / "s.log"
-        ) as ps,
-        process(
-            [*worker, *serve, "--role", "decode", "--port", str(d_port)],
+            [*serve, "--role", "decode", "--port", str(d_port)],
             tmp / "d.log",
             {**os.environ, "KVPOOL_BENCH_KV_TRACE": str(kv_trace)},
         ) as d,
@@ -356,93 +300,80 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
     ):
         async with httpx.AsyncClient(timeout=300) as client:
             await wait_ready(client, f"{prefill_url}/health", p, tmp / "p.log")
-            await wait_ready(client, f"{small_url}/health", ps, tmp / "s.log")
             await wait_ready(client, f"{decode_url}/health", d, tmp / "d.log")
             rng = random.Random(0)
 
             def prompt() -> list[int]:
                 return [rng.randrange(8, 512) for _ in range(args.tokens)]
 
-            async def pull(base: str) -> tuple[Any, int, float, float]:
+            async def pull() -> tuple[Any, int, float, float]:
                 """A fresh prefill, then its pull; (header, bytes, prefill s, pull s)."""
-                params, prefill_s = await prefill_leg(client, base, prompt())
+                params, prefill_s = await prefill_leg(client, prefill_url, prompt())
                 start = time.perf_counter()
                 header, data = await pull_blocks(client, kv_url(params), timeout=120)
                 pull_s = time.perf_counter() - start
                 await client.delete(kv_url(params))
                 return header, len(data), prefill_s, pull_s
 
-            raw_url = f"http://127.0.0.1:{r_port}/kv/raw"
             # warm up: first-call costs of the workers, the client and the raw server
-            await pull(prefill_url)
-            await pull(small_url)
+            await pull()
             params, _ = await prefill_leg(client, prefill_url, prompt())
             await completion(client, decode_url, prompt(), kv_transfer_params=params)
             await pull_blocks(client, raw_url)
 
             r: dict[str, list[float]] = {k: [] for k in (
-                "pull_mb_s", "small_chunk_mb_s", "raw_mb_s", "prefill_s", "pull_s",
-                "decode_leg_s", "decode_pull_s", "decode_pull_mb_s", "recompute_s",
-                "decode_inner_pull_mb_s", "decode_import_ms",
-                "cached_tokens",
+                "pull_mb_s", "raw_mb_s", "prefill_s", "pull_s", "decode_leg_s",
+                "decode_pull_s", "decode_pull_mb_s", "decode_inner_pull_mb_s",
+                "decode_import_ms", "recompute_s", "cached_tokens",
             )}  # fmt: skip
             nbytes = 0
             for i in range(args.repeats):
                 # 1. the pull, with the decode worker's client code
-                header, nbytes, prefill_s, pull_s = await pull(prefill_url)
+                header, nbytes, prefill_s, pull_s = await pull()
                 r["prefill_s"].append(prefill_s)
                 r["pull_s"].append(pull_s)
                 r["pull_mb_s"].append(nbytes / pull_s / MB)
-                # 2. the same from a prefill worker with smaller body chunks
-                _, n, _, small_s = await pull(small_url)
-                r["small_chunk_mb_s"].append(n / small_s / MB)
-                # 3. the same bytes from the minimal server, same client
+                # 2. the same bytes from the minimal server, same client
                 start = time.perf_counter()
                 _, data = await pull_blocks(client, raw_url, timeout=120)
                 r["raw_mb_s"].append(len(data) / (time.perf_counter() - start) / MB)
                 del data
-                # 4. the decode leg, as a router would send it
+                # 3. the decode leg, as a router would send it
                 params, _ = await prefill_leg(client, prefill_url, p2 := prompt())
                 before = scrape((await client.get(f"{decode_url}/metrics")).text)
                 body, leg_s = await completion(client, decode_url, p2, kv_transfer_params=params)
                 after = scrape((await client.get(f"{decode_url}/metrics")).text)
                 if after.get("fallbacks", 0) > before.get("fallbacks", 0):
-                    raise RuntimeError(f"the decode leg fell back to recomputing:\n{tail(tmp)}")
+                    raise RuntimeError(f"the decode leg recomputed its prefill:\n{logs_tail(tmp)}")
                 got = after["received"] - before.get("received", 0.0)
                 pulled = after["pull_seconds"] - before.get("pull_seconds", 0.0)
                 r["decode_leg_s"].append(leg_s)
                 r["decode_pull_s"].append(pulled)
                 r["decode_pull_mb_s"].append(got / pulled / MB)
-                lines = read_lines(kv_trace)
+                lines = kv_trace.read_text().splitlines()
                 pull_line = next(x for x in reversed(lines) if x.startswith("pull "))
                 import_line = next(x for x in reversed(lines) if x.startswith("import "))
                 _, inner_s, inner_bytes = pull_line.split()
                 r["decode_inner_pull_mb_s"].append(int(inner_bytes) / float(inner_s) / MB)
                 r["decode_import_ms"].append(float(import_line.split()[1]) * 1000)
                 r["cached_tokens"].append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
-                # 5. the alternative to a hand-off: compute the prefill on the decode worker
+                # 4. the alternative to a hand-off: compute the prefill on the decode worker
                 _, recompute_s = await completion(client, decode_url, prompt())
                 r["recompute_s"].append(recompute_s)
                 print(
                     f"  repeat {i + 1}/{args.repeats}: pull {r['pull_mb_s'][-1]:.0f} MB/s, "
-                    f"small chunks {r['small_chunk_mb_s'][-1]:.0f} MB/s, "
-                    f"raw {r['raw_mb_s'][-1]:.0f} MB/s, decode leg {leg_s:.3f} s, "
+                    f"raw {r['raw_mb_s'][-1]:.0f} MB/s, decode pull + import "
+                    f"{r['decode_pull_mb_s'][-1]:.0f} MB/s, decode leg {leg_s:.3f} s, "
                     f"recompute {recompute_s:.3f} s",
                     file=sys.stderr,
                 )
 
-            breakdown: list[dict[str, float]] = []
+            header_s = []
             for _ in range(args.breakdown_repeats):
                 params, _ = await prefill_leg(client, prefill_url, prompt())
-                breakdown.append(await instrumented_pull(client, kv_url(params)))
+                header_s.append(await time_to_header(client, kv_url(params)))
                 await client.delete(kv_url(params))
-            sock_s = [socket_read(r_port, len(fake.encode()) + fake.body_bytes) for _ in range(3)]
-    r["socket_mb_s"] = [(len(fake.encode()) + fake.body_bytes) / s / MB for s in sock_s]
-    return {"runs": r, "bytes": nbytes, "blocks": len(header.block_hashes), "pulls": breakdown}
-
-
-def tail(tmp: Path) -> str:
-    return "\n".join(f"{p.name}: {p.read_text()[-2000:]}" for p in sorted(tmp.glob("*.log")))
+    return {"runs": r, "bytes": nbytes, "blocks": len(header.block_hashes), "header_s": header_s}
 
 
 def main() -> dict:
@@ -450,12 +381,6 @@ def main() -> dict:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (x16 = blocks)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--breakdown-repeats", type=int, default=3)
-    parser.add_argument(
-        "--small-chunk-blocks",
-        type=int,
-        default=8,
-        help="chunk size of the second prefill worker (the proposed CHUNK_BLOCKS)",
-    )
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1,024 tokens")
     args = parser.parse_args()
     if args.quick:
@@ -466,7 +391,7 @@ def main() -> dict:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from kvpool.worker.kv_transfer import CHUNK_BLOCKS
+    from kvpool.worker.kv_transfer import CHUNK_BYTES
     from kvpool.worker.tiny import make_tiny_model
 
     hf_logging.disable_progress_bar()
@@ -475,13 +400,16 @@ def main() -> dict:
         tmp = Path(tmpdir)
         model_dir = make_tiny_model(tmp / "model", **SHAPE)
         res = asyncio.run(run(args, model_dir, tmp))
-        local = in_process(model_dir, args.tokens, args.small_chunk_blocks, repeats=7)
+        local = in_process(model_dir, args.tokens, repeats=7)
 
     r = res["runs"]
     mb_s = statistics.median(r["pull_mb_s"])
     raw_mb_s = statistics.median(r["raw_mb_s"])
+    decode_mb_s = statistics.median(r["decode_pull_mb_s"])
+    inner_mb_s = statistics.median(r["decode_inner_pull_mb_s"])
+    import_ms = statistics.median(r["decode_import_ms"])
+    local_import_ms = statistics.median(local["import_blocks_ms"])
     leg, recompute = statistics.median(r["decode_leg_s"]), statistics.median(r["recompute_s"])
-    pulls = res["pulls"]
 
     def met(ok: bool) -> str:
         return "met" if ok else "MISSED"
@@ -489,61 +417,48 @@ def main() -> dict:
     def ms(xs: list[float]) -> str:
         return median_spread([x * 1000 for x in xs], ".0f")
 
+    def spread(xs: list[float]) -> str:
+        return median_spread(xs, ".0f")
+
     size = f"{res['bytes'] / 2**20:.0f} MiB"
-    small_mb_s = statistics.median(r["small_chunk_mb_s"])
-    read_ratio = statistics.median(local["read_blocks_small_chunks_ms"]) / statistics.median(
-        local["read_blocks_ms"]
-    )
-    k = args.small_chunk_blocks
+    n = res["blocks"]
+    step = chunk_blocks(res["bytes"] // n)
     rows = [
         "| Figure | kvpool | baseline | ratio | goal |",
         "|---|---|---|---|---|",
         f"| KV pull, GET /kv with `pull_blocks`, {size}, MB/s (median, range) "
-        f"| {median_spread(r['pull_mb_s'], '.0f')} "
-        f"| minimal server, same bytes and client: {median_spread(r['raw_mb_s'], '.0f')} "
+        f"| {spread(r['pull_mb_s'])} "
+        f"| minimal server, same bytes and client: {spread(r['raw_mb_s'])} "
         f"| {mb_s / raw_mb_s:.2f}x | >= {GOAL_MB_S:.0f} MB/s: {met(mb_s >= GOAL_MB_S)} |",
-        f"| KV pull as above, prefill worker with `CHUNK_BLOCKS = {k}` (proposed), MB/s "
-        f"| {median_spread(r['small_chunk_mb_s'], '.0f')} "
-        f"| `CHUNK_BLOCKS = {CHUNK_BLOCKS}` (now): {median_spread(r['pull_mb_s'], '.0f')} "
-        f"| {small_mb_s / mb_s:.2f}x | >= {GOAL_MB_S:.0f} MB/s: {met(small_mb_s >= GOAL_MB_S)} |",
         f"| decode worker's own pull + import (`kv_pull_seconds`), MB/s "
-        f"| {median_spread(r['decode_pull_mb_s'], '.0f')} | - | - | - |",
+        f"| {spread(r['decode_pull_mb_s'])} | the pull alone (row 1): {spread(r['pull_mb_s'])} "
+        f"| {decode_mb_s / mb_s:.2f}x | - |",
         f"| ... of which `pull_blocks` in the decode worker, MB/s "
-        f"| {median_spread(r['decode_inner_pull_mb_s'], '.0f')} "
-        f"| the same client code in this process (row 1): {median_spread(r['pull_mb_s'], '.0f')} "
-        f"| {statistics.median(r['decode_inner_pull_mb_s']) / mb_s:.2f}x | - |",
-        f"| ... and `import_blocks` in the decode worker, ms "
-        f"| {median_spread(r['decode_import_ms'], '.0f')} | - | - | - |",
+        f"| {spread(r['decode_inner_pull_mb_s'])} "
+        f"| the same client code in this process (row 1): {spread(r['pull_mb_s'])} "
+        f"| {inner_mb_s / mb_s:.2f}x | - |",
+        f"| ... and `import_blocks` in the decode worker, ms | {spread(r['decode_import_ms'])} "
+        f"| the same call in this process, no server: {spread(local['import_blocks_ms'])} "
+        f"| {import_ms / local_import_ms:.2f}x | - |",
         f"| decode leg with remote prefill, request time, ms | {ms(r['decode_leg_s'])} "
         f"| recompute the {args.tokens}-token prefill there: {ms(r['recompute_s'])} "
         f"| {leg / recompute:.2f}x | - |",
-        f"| breakdown: time to the parsed header, ms | {ms([p['header_s'] for p in pulls])} "
+        f"| breakdown: time to the parsed header of a pull, ms | {ms(res['header_s'])} "
         f"| - | - | - |",
-        f"| breakdown: server stalls in a pull (gaps > 2 ms), ms "
-        f"| {ms([p['stall_s'] for p in pulls])} | - | - | - |",
-        f"| breakdown: `read_blocks` of {res['blocks']} blocks in {k}-block chunks, in "
-        f"process, ms | {median_spread(local['read_blocks_small_chunks_ms'], '.0f')} "
-        f"| in {CHUNK_BLOCKS}-block chunks (now): "
-        f"{median_spread(local['read_blocks_ms'], '.0f')} "
-        f"| {read_ratio:.2f}x | - |",
-        f"| breakdown: `import_blocks` of {res['blocks']} blocks, in process, ms "
-        f"| {median_spread(local['import_blocks_ms'], '.0f')} | - | - | - |",
-        f"| loopback floor: plain socket into one buffer, MB/s "
-        f"| - | {median_spread(r['socket_mb_s'], '.0f')} | - | - |",
+        f"| breakdown: `read_blocks` of {n} blocks in {step}-block chunks, in process, ms "
+        f"| {spread(local['read_blocks_ms'])} | - | - | - |",
     ]
     machine = f"{platform.machine()}, {psutil.cpu_count()} CPUs, torch {torch.__version__}, cpu"
     table = "\n".join(rows)
     notes = (
         f"Model: random Llama, {SHAPE['num_hidden_layers']} layers, 8 KV heads of 128, "
-        f"float32: 1 MiB per 16-token block. Prompt {args.tokens} tokens = {res['blocks']} "
-        f"blocks = {size} per hand-off. Workers: `kvpool worker serve`, one process each, "
-        f"on 127.0.0.1; body chunks of {CHUNK_BLOCKS} blocks (the second prefill worker: the "
-        f"same command with `kv_transfer.CHUNK_BLOCKS = {args.small_chunk_blocks}` set first). "
-        f"Repeats: {args.repeats} "
-        f"(a fresh prefill for each pull), {args.breakdown_repeats} instrumented pulls. "
-        f"Decode legs used {statistics.median(r['cached_tokens']):.0f} cached prompt tokens "
-        f"(the imported blocks). Prefill leg on the prefill worker: "
-        f"{ms(r['prefill_s'])} ms."
+        f"float32: 1 MiB per 16-token block. Prompt {args.tokens} tokens = {n} blocks = "
+        f"{size} per hand-off. Workers: `kvpool worker serve`, one process each, on "
+        f"127.0.0.1; body chunks of `CHUNK_BYTES` = {CHUNK_BYTES / 2**20:g} MiB ({step} "
+        f"blocks), the minimal server's too. Repeats: {args.repeats} (a fresh prefill for "
+        f"each pull), {args.breakdown_repeats} pulls timed to their header. Decode legs used "
+        f"{statistics.median(r['cached_tokens']):.0f} cached prompt tokens (the imported "
+        f"blocks). Prefill leg on the prefill worker: {ms(r['prefill_s'])} ms."
     )
     print(table)
     print()
@@ -553,17 +468,17 @@ def main() -> dict:
         "mb_per_s_min": round(min(r["pull_mb_s"]), 1),
         "mb_per_s_max": round(max(r["pull_mb_s"]), 1),
         "raw_http_mb_per_s": round(raw_mb_s, 1),
-        f"mb_per_s_chunk_{args.small_chunk_blocks}_blocks": round(small_mb_s, 1),
         "ratio_vs_raw_http": round(mb_s / raw_mb_s, 3),
-        "decode_pull_mb_per_s": round(statistics.median(r["decode_pull_mb_s"]), 1),
-        "decode_worker_pull_blocks_mb_per_s": round(
-            statistics.median(r["decode_inner_pull_mb_s"]), 1
-        ),
-        "decode_worker_import_blocks_ms": round(statistics.median(r["decode_import_ms"]), 1),
+        "decode_pull_mb_per_s": round(decode_mb_s, 1),
+        "decode_worker_pull_blocks_mb_per_s": round(inner_mb_s, 1),
+        "decode_worker_import_blocks_ms": round(import_ms, 1),
         "decode_leg_ms": round(leg * 1000, 1),
         "recompute_ms": round(recompute * 1000, 1),
         "decode_leg_vs_recompute": round(leg / recompute, 3),
+        "read_blocks_ms": round(statistics.median(local["read_blocks_ms"]), 1),
+        "import_blocks_ms": round(local_import_ms, 1),
         "transfer_bytes": res["bytes"],
+        "chunk_bytes": CHUNK_BYTES,
         "prompt_tokens": args.tokens,
         "goal_met": mb_s >= GOAL_MB_S,
     }
@@ -578,7 +493,7 @@ def main() -> dict:
                 **figures,
                 "date": str(dt.date.today()),
                 "machine": machine,
-                "detail": {**r, "instrumented_pulls": pulls, "in_process": local},
+                "detail": {**r, "header_s": res["header_s"], "in_process": local},
             },
             indent=2,
         )

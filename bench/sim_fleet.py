@@ -1,7 +1,9 @@
-"""A simulated fleet under open-loop load: 16 workers in one process at 200 requests/s,
-measured time to first token against the timing model's own prediction.
+"""A simulated fleet under open-loop load: 16 workers at 200 requests/s, measured time
+to first token against the timing model's own prediction, with the fleet in one process
+and spread over two.
 
-``kvpool worker sim-fleet --count 16`` serves; load-generator processes (asyncio + aiohttp)
+``kvpool worker sim-fleet --count 16 --processes N`` serves, once for each N of
+``--fleet-processes`` (default 1, then 2); load-generator processes (asyncio + aiohttp)
 send streaming completions with a Poisson arrival process, round-robin over the workers:
 prompts of a few hundred token ids (no tokenizing), ``max_tokens`` 16-32, ``ignore_eos``.
 TTFT is measured at the client, from sending the request to its first content chunk.
@@ -10,16 +12,16 @@ The baseline is the prediction: the same requests at the same (actual) send time
 replayed worker by worker through ``SimEngine(virtual=True)`` with the fleet's own timing
 model and engine configuration; a request's predicted TTFT is the virtual time of its
 first content output less its arrival. Goals: 200 requests/s completed, and mean TTFT
-within 10% of the prediction (``ttft_error_pct``).
+within 10% of the prediction (``ttft_error_pct``). The headline is the configuration
+with the fewest processes that meets both, or the first one when none does.
 
-To say where any gap comes from, the run also records the workers' own TTFT histograms
-(server arrival to engine output), the fixed cost of the HTTP path (requests one at a
+To say where any gap comes from, each run also records the workers' own TTFT histograms
+(server arrival to first output), the fixed cost of the HTTP path (requests one at a
 time on idle workers, before the load), the client's send lag, the CPU time of the fleet
-process per thread (event loop, engine threads, helper threads) and of the clients, and
-the fleet's garbage-collection pauses. ``--trace`` times each request at six points in
-the worker; ``--what-ifs`` then reruns the same workload with the proposed fixes applied
-by the benchmark's launcher (``gc.freeze()``, uvloop, two processes), nothing in the
-worker's code changed.
+per thread (event loops, engine threads, helper threads) and of the clients, and the
+fleet's garbage-collection pauses. ``--trace`` also times each request at six points in
+the worker. These instruments are the benchmark's own (see :func:`install_hooks`); the
+worker's code is run as it is.
 
 Writes bench/results/sim_fleet.{md,json}.
 """
@@ -48,6 +50,135 @@ RESULTS = Path(__file__).parent / "results"
 ME = str(Path(__file__).resolve())
 GOAL_RPS = 200.0
 GOAL_ERROR_PCT = 10.0
+#: How the fleet is started: the ``kvpool`` command, as ``sim-fleet`` starts its children.
+KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+#: Put on the fleet's PYTHONPATH, so that every process of the fleet (the CLI's children
+#: too, which inherit the environment) runs :func:`install_hooks` as it starts.
+SITECUSTOMIZE = """\
+# Written by bench/sim_fleet.py: its instruments, in every process of the fleet.
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("_kvpool_bench_sim_fleet", {path!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.install_hooks()
+"""
+
+
+# -- the fleet's instruments ---------------------------------------------------------------------
+def install_hooks() -> None:
+    """The benchmark's instruments in a fleet process, set up through variables:
+
+    * always: each engine thread is named ``engine`` at the OS level (Python does not
+      name it there), so that its CPU time can be told apart;
+    * ``KVPOOL_BENCH_GC_LOG``: a file that gets a line per garbage collection of 1 ms or
+      more (monotonic start, generation, seconds): a collection stops its whole process;
+    * ``KVPOOL_BENCH_TRACE``: a file that gets a line per request and stage (see
+      :func:`trace_stages`);
+    * ``KVPOOL_BENCH_SWITCH_INTERVAL``: the GIL switch interval (seconds).
+    """
+    import ctypes
+    import gc
+
+    from kvpool.worker.engine_loop import EngineLoop
+
+    libc = ctypes.CDLL(None)
+    run = EngineLoop._run
+
+    def named_run(self: EngineLoop) -> None:
+        libc.prctl(15, b"engine", 0, 0, 0)  # PR_SET_NAME
+        run(self)
+
+    EngineLoop._run = named_run  # type: ignore[method-assign]
+    if path := os.environ.get("KVPOOL_BENCH_GC_LOG"):
+        log = open(path, "a", buffering=1)  # open for the life of the process
+        started = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.monotonic()
+            elif (took := time.monotonic() - started[0]) >= 0.001:
+                log.write(f"{started[0]!r} {info['generation']} {took!r}\n")
+
+        gc.callbacks.append(on_gc)
+    if path := os.environ.get("KVPOOL_BENCH_TRACE"):
+        trace_stages(open(path, "a", buffering=1))  # open for the life of the process
+    if interval := os.environ.get("KVPOOL_BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(interval))
+
+
+#: The points :func:`trace_stages` marks, in the order a request passes them.
+STAGES = ("handler", "prepared", "queued", "taken", "output", "sse")
+
+
+def trace_stages(out: Any) -> None:
+    """Wrap six points of a request's way through a worker to log when it passes them
+    (a line ``REQUEST-ID STAGE MONOTONIC-TIME``): the completions handler starts
+    (``handler``), the request is prepared (``prepared``), it is queued for the engine
+    thread (``queued``), the engine takes it (``taken``), the engine hands its first
+    content output over to the event loop (``output``, the time the output is stamped
+    with), the SSE body yields its first chunk (``sse``)."""
+    from kvpool.worker.engine import EngineCore
+    from kvpool.worker.engine_loop import EngineLoop
+    from kvpool.worker.server import WorkerServer
+
+    def mark(rid: str, stage: str, at: float | None = None) -> None:
+        out.write(f"{rid} {stage} {at or time.monotonic()!r}\n")
+
+    completions = WorkerServer.completions
+
+    async def traced_completions(self: WorkerServer, request: Any) -> Any:
+        if rid := request.headers.get("x-request-id"):
+            mark(rid, "handler")
+        return await completions(self, request)
+
+    prepare = WorkerServer._prepare
+
+    def traced_prepare(self: WorkerServer, *args: Any, **kwargs: Any) -> Any:
+        prepared = prepare(self, *args, **kwargs)
+        mark(prepared.request_id, "prepared")
+        return prepared
+
+    loop_submit = EngineLoop.submit
+
+    def traced_loop_submit(self: EngineLoop, prepared: Any, *args: Any, **kwargs: Any) -> None:
+        mark(prepared.request_id, "queued")
+        loop_submit(self, prepared, *args, **kwargs)
+
+    engine_submit = EngineCore.submit
+
+    def traced_engine_submit(self: EngineCore, prepared: Any, stream: Any) -> None:
+        mark(prepared.request_id, "taken")
+        engine_submit(self, prepared, stream)
+
+    outputs = WorkerServer._outputs
+
+    async def traced_outputs(self: WorkerServer, job: Any) -> Any:
+        first = True
+        async with contextlib.aclosing(outputs(self, job)) as inner:
+            async for i, item in inner:
+                if first and (item.output.new_text or item.output.finished):
+                    mark(job.id.split("-", 1)[1], "output", item.time)
+                    first = False
+                yield i, item
+
+    sse = WorkerServer._sse
+
+    async def traced_sse(self: WorkerServer, job: Any) -> Any:
+        first = True
+        async with contextlib.aclosing(sse(self, job)) as inner:
+            async for chunk in inner:
+                if first:
+                    mark(job.id.split("-", 1)[1], "sse")
+                    first = False
+                yield chunk
+
+    WorkerServer.completions = traced_completions  # type: ignore[method-assign]
+    WorkerServer._prepare = traced_prepare  # type: ignore[method-assign]
+    EngineLoop.submit = traced_loop_submit  # type: ignore[method-assign]
+    EngineCore.submit = traced_engine_submit  # type: ignore[method-assign]
+    WorkerServer._outputs = traced_outputs  # type: ignore[method-assign]
+    WorkerServer._sse = traced_sse  # type: ignore[method-assign]
 
 
 # -- the load generator (a separate process) ----------------------------------------------------
@@ -129,131 +260,6 @@ async def _client(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the fleet -----------------------------------------------------------------------------------
-def fleet_main(argv: list[str]) -> int:
-    """``kvpool worker <argv>``, instrumented and optionally tuned through variables:
-
-    * always: each engine thread is named ``engine`` at the OS level (Python does not
-      name it there), so that its CPU time can be told apart;
-    * ``KVPOOL_BENCH_GC_LOG``: a file that gets a line per garbage collection of 1 ms or
-      more (monotonic start, generation, seconds): a full collection stops every thread;
-    * ``KVPOOL_BENCH_TRACE``: a file that gets a line per request and stage (request id,
-      stage, monotonic time): the handler starts (``job``), the request is prepared
-      (``prepared``), it is queued for the engine thread (``queued``), the engine takes it
-      (``submit``), the engine puts its first content output (``output``), the SSE body
-      yields its first chunk (``sse``);
-    * what-ifs, for the report's proposed fixes: ``KVPOOL_BENCH_UVLOOP=1`` runs the
-      fleet's event loop on uvloop, ``KVPOOL_BENCH_GC_FREEZE=1`` moves what exists after
-      the engines are built out of the collector's reach (``gc.freeze``), and
-      ``KVPOOL_BENCH_SWITCH_INTERVAL`` sets the GIL switch interval (seconds).
-    """
-    import ctypes
-    import gc
-
-    from kvpool.worker import cli
-    from kvpool.worker.engine_loop import EngineLoop
-    from kvpool.worker.server import WorkerServer
-
-    libc = ctypes.CDLL(None)
-    run = EngineLoop._run
-
-    def named_run(self: EngineLoop) -> None:
-        libc.prctl(15, b"engine", 0, 0, 0)  # PR_SET_NAME
-        run(self)
-
-    EngineLoop._run = named_run  # type: ignore[method-assign]
-    if path := os.environ.get("KVPOOL_BENCH_GC_LOG"):
-        log = open(path, "a", buffering=1)  # open for the life of the process
-        started = [0.0]
-
-        def on_gc(phase: str, info: dict[str, int]) -> None:
-            if phase == "start":
-                started[0] = time.monotonic()
-            elif (took := time.monotonic() - started[0]) >= 0.001:
-                log.write(f"{started[0]!r} {info['generation']} {took!r}\n")
-
-        gc.callbacks.append(on_gc)
-    if path := os.environ.get("KVPOOL_BENCH_TRACE"):
-        trace_stages(open(path, "a", buffering=1))  # open for the life of the process
-    if os.environ.get("KVPOOL_BENCH_GC_FREEZE"):
-        load = WorkerServer._load
-
-        async def load_then_freeze(self: WorkerServer) -> None:
-            await load(self)
-            gc.collect()
-            gc.freeze()
-
-        WorkerServer._load = load_then_freeze  # type: ignore[method-assign]
-    if os.environ.get("KVPOOL_BENCH_UVLOOP"):
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    if interval := os.environ.get("KVPOOL_BENCH_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(interval))
-    return cli.main(argv)
-
-
-def trace_stages(out: Any) -> None:
-    """Wrap four points of a request's way through a worker to log when it passes them."""
-    from kvpool.worker.engine import EngineCore
-    from kvpool.worker.engine_loop import EngineLoop, _LoopStream
-    from kvpool.worker.server import WorkerServer
-
-    def mark(rid: str, stage: str) -> None:
-        out.write(f"{rid} {stage} {time.monotonic()!r}\n")
-
-    job = WorkerServer._job
-
-    async def traced_job(self: WorkerServer, request: Any, req: Any, kind: str) -> Any:
-        if rid := request.headers.get("x-request-id"):
-            mark(rid, "job")
-        return await job(self, request, req, kind)
-
-    prepare = WorkerServer._prepare
-
-    def traced_prepare(self: WorkerServer, *args: Any, **kwargs: Any) -> Any:
-        prepared = prepare(self, *args, **kwargs)
-        mark(prepared.request_id, "prepared")
-        return prepared
-
-    generate = EngineLoop.generate
-
-    async def traced_generate(self: EngineLoop, prepared: Any) -> Any:
-        mark(prepared.request_id, "queued")
-        async for item in generate(self, prepared):
-            yield item
-
-    submit = EngineCore.submit
-
-    def traced_submit(self: EngineCore, prepared: Any, stream: Any) -> None:
-        mark(prepared.request_id, "submit")
-        submit(self, prepared, stream)
-
-    put = _LoopStream.put
-
-    def traced_put(self: _LoopStream, output: Any) -> None:
-        if not getattr(self, "traced", False) and (output.new_text or output.finished):
-            self.traced = True
-            mark(self.request_id, "output")
-        put(self, output)
-
-    sse = WorkerServer._sse
-
-    async def traced_sse(self: WorkerServer, job: Any) -> Any:
-        first = True
-        async for chunk in sse(self, job):
-            if first:
-                mark(job.id.split("-", 1)[1], "sse")
-                first = False
-            yield chunk
-
-    WorkerServer._job = traced_job  # type: ignore[method-assign]
-    WorkerServer._prepare = traced_prepare  # type: ignore[method-assign]
-    EngineLoop.generate = traced_generate  # type: ignore[method-assign]
-    EngineCore.submit = traced_submit  # type: ignore[method-assign]
-    _LoopStream.put = traced_put  # type: ignore[method-assign]
-    WorkerServer._sse = traced_sse  # type: ignore[method-assign]
-
-
 def free_base_port(count: int) -> int:
     """``count`` consecutive free ports below the ephemeral range (where the clients'
     own connections could take one between this check and the fleet's bind)."""
@@ -414,7 +420,10 @@ def workload(args: argparse.Namespace, vocab: list[int]) -> list[dict[str, Any]]
         i += 1
 
 
-def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, processes: int, model_dir: Path, tmp: Path) -> dict[str, Any]:
+    """One run: the fleet in ``processes`` processes under the load, and the readings."""
+    import psutil
+
     from kvpool.worker.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -423,18 +432,15 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     requests = workload(args, vocab)
     base = free_base_port(args.count)
     urls = [f"http://127.0.0.1:{base + w}" for w in range(args.count)]
-    env = {**os.environ, "KVPOOL_BENCH_GC_LOG": str(tmp / "gc.log")}
+    hooks = tmp / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SITECUSTOMIZE.format(path=ME))
+    path = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "KVPOOL_BENCH_GC_LOG": str(tmp / "gc.log")}
     if args.switch_interval:
         env["KVPOOL_BENCH_SWITCH_INTERVAL"] = str(args.switch_interval)
-    if args.uvloop:
-        env["KVPOOL_BENCH_UVLOOP"] = "1"
-    if args.gc_freeze:
-        env["KVPOOL_BENCH_GC_FREEZE"] = "1"
     if args.trace:
         env["KVPOOL_BENCH_TRACE"] = str(tmp / "trace.log")
-    fleets: list[subprocess.Popen[bytes]] = []
-    per = math.ceil(args.count / args.fleet_processes)
-    clients: list[subprocess.Popen[str]] = []
     rng = random.Random(args.seed + 1)
     probes = [
         {
@@ -445,15 +451,18 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
         }
         for k in range(4 * args.count)
     ]
+    cmd = [*KVPOOL, "worker", "sim-fleet", "--model", str(model_dir), "--count", str(args.count)]
+    cmd += ["--base-port", str(base), "--processes", str(processes)]
+    log_path = tmp / "fleet.log"
+    with log_path.open("wb") as log:
+        fleet = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    parts: list[psutil.Process] = []
+    clients: list[subprocess.Popen[str]] = []
     try:
-        for at in range(0, args.count, per):
-            n = min(per, args.count - at)
-            cmd = [sys.executable, ME, "--fleet", "sim-fleet", "--model", str(model_dir)]
-            cmd += ["--count", str(n), "--base-port", str(base + at)]
-            log_path = tmp / f"fleet{at}.log"
-            with log_path.open("wb") as log:
-                fleets.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            asyncio.run(wait_ready(urls[at : at + n], fleets[-1], log_path))
+        asyncio.run(wait_ready(urls, fleet, log_path))
+        parts = [psutil.Process(fleet.pid), *psutil.Process(fleet.pid).children(recursive=True)]
+        if len(parts) != processes:
+            raise RuntimeError(f"the fleet runs in {len(parts)} processes, not {processes}")
         # the fixed cost of the HTTP path: one request at a time, idle workers (the first
         # round over the workers is their warm-up)
         probe_s = asyncio.run(probe(urls, probes))[args.count :]
@@ -464,11 +473,11 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
                 "mine": mine,
                 "requests": [r for r in requests if r["worker"] in mine],
             }
-            (tmp / f"spec{k}.json").write_text(json.dumps(spec))
-            cmd = [sys.executable, ME, "--client", str(tmp / f"spec{k}.json")]
+            spec_path, out_path = str(tmp / f"spec{k}.json"), str(tmp / f"out{k}.json")
+            Path(spec_path).write_text(json.dumps(spec))
             clients.append(
                 subprocess.Popen(
-                    [*cmd, str(tmp / f"out{k}.json")],
+                    [sys.executable, ME, "--client", spec_path, out_path],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -479,7 +488,7 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
             if c.stdout.readline().strip() != "ready":
                 raise RuntimeError("a load generator failed to start")
         ttft0 = asyncio.run(scrape_ttft(urls))
-        threads0 = {f.pid: thread_cpu(f.pid) for f in fleets}
+        threads0 = {p.pid: thread_cpu(p.pid) for p in parts}
         start = time.monotonic() + 0.5
         for c in clients:
             assert c.stdin is not None
@@ -489,21 +498,28 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
             if c.wait(args.duration + 180) != 0:
                 raise RuntimeError(f"a load generator exited with {c.returncode}")
         wall_end = time.monotonic()
-        threads1 = {f.pid: thread_cpu(f.pid) for f in fleets}
+        threads1 = {p.pid: thread_cpu(p.pid) for p in parts}
         ttft1 = asyncio.run(scrape_ttft(urls))
-        names = {f.pid: thread_names(f.pid) for f in fleets}
+        names = {p.pid: thread_names(p.pid) for p in parts}
     finally:
         for c in clients:
             if c.poll() is None:
                 c.kill()
-        for fleet in fleets:
-            fleet.terminate()
-        for fleet in fleets:
-            try:
-                fleet.wait(15)
-            except subprocess.TimeoutExpired:
-                fleet.kill()
-                fleet.wait()
+        fleet.terminate()  # the parent stops its children
+        try:
+            fleet.wait(45)
+        except subprocess.TimeoutExpired:
+            fleet.kill()
+            fleet.wait()
+        for part in parts[1:]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                part.kill()
+    engines = sum(list(n.values()).count("engine") for n in names.values())
+    if engines != args.count:
+        raise RuntimeError(
+            f"{engines} engine threads named, for {args.count} workers: the benchmark's "
+            f"instruments did not load in every fleet process\n{log_tail(log_path)}"
+        )
     outs = [json.loads((tmp / f"out{k}.json").read_text()) for k in range(args.clients)]
     stages: dict[str, dict[str, float]] = {}
     if (tmp / "trace.log").exists():
@@ -544,9 +560,9 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
         ],
         "cpu": {
             "fleet_s": fleet_s,
-            "fleet_event_loop_s": loop_s,
+            "fleet_event_loops_s": loop_s,
             "fleet_engine_threads_s": engine_s,
-            "fleet_other_threads_s": fleet_s - loop_s - engine_s,
+            "fleet_other_threads_s": max(0.0, fleet_s - loop_s - engine_s),
             "clients_s": [o["cpu_s"] for o in outs],
         },
     }
@@ -560,63 +576,44 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-def stage_rows(
+def stage_parts(
     stages: dict[str, dict[str, float]],
     ok: list[dict[str, Any]],
     engine_first: dict[int, float],
     start: float,
-) -> list[str]:
-    """Where a request's TTFT goes, stage by stage (from ``--trace``); ``engine_first``
-    is the prediction replayed from the times the requests reached the engine's queue."""
-    names = {
-        "in": "client sends -> handler starts (HTTP in, body, routing)",
-        "prepare": "handler starts -> prepared (body parsed; prepare in a thread)",
-        "queue": "prepared -> queued for the engine thread (admit, response start, tasks)",
-        "wait": "queued -> engine takes it (the running step ends: modelled)",
-        "engine": "queued -> first content output (engine)",
-        "predicted": "... predicted for requests queued at those times (virtual replay)",
-        "back": "engine output -> first SSE chunk yielded (outbox, queues, tasks)",
-        "out": "SSE chunk yielded -> client has it (send, loopback, client)",
-    }
-    keys = ("job", "prepared", "queued", "submit", "output", "sse")
-    parts: dict[str, list[float]] = {k: [] for k in names}
+) -> dict[str, list[float]]:
+    """Where each request's TTFT goes, stage by stage (from ``--trace``), in ms;
+    ``engine_first`` is the prediction replayed from the times the requests were queued
+    for the engine thread."""
+    parts: dict[str, list[float]] = {k: [] for k in STAGE_NAMES}
     for r in ok:
         s = stages.get(f"bench{r['i']}", {})
-        if not all(k in s for k in keys) or r["i"] not in engine_first:
+        if not all(k in s for k in STAGES) or r["i"] not in engine_first:
             continue
         for name, seconds in (
-            ("in", s["job"] - r["sent"]),
-            ("prepare", s["prepared"] - s["job"]),
+            ("in", s["handler"] - r["sent"]),
+            ("prepare", s["prepared"] - s["handler"]),
             ("queue", s["queued"] - s["prepared"]),
-            ("wait", s["submit"] - s["queued"]),
+            ("wait", s["taken"] - s["queued"]),
             ("engine", s["output"] - s["queued"]),
             ("predicted", engine_first[r["i"]] - (s["queued"] - start)),
             ("back", s["sse"] - s["output"]),
             ("out", r["first"] - s["sse"]),
         ):
             parts[name].append(seconds * 1000)
-    if not parts["in"]:
-        return []
-    return [
-        "| Stage | ms: mean / p50 / p90 |",
-        "|---|---|",
-        *(
-            f"| {names[k]} | {statistics.fmean(v):.2f} / {percentile(v, 50):.2f} / "
-            f"{percentile(v, 90):.2f} |"
-            for k, v in parts.items()
-        ),
-    ]
+    return parts
 
 
-_BEST: dict[str, Any] = {"gc_freeze": True, "uvloop": True, "fleet_processes": 2}
-WHAT_IFS: list[tuple[str, dict[str, Any]]] = [
-    ("gc.freeze() after start-up", {"gc_freeze": True}),
-    ("on uvloop", {"uvloop": True}),
-    ("gc.freeze() + uvloop", {"gc_freeze": True, "uvloop": True}),
-    ("gc.freeze() + uvloop, 2 processes of 8 workers", _BEST),
-    ("as is, traced", {"trace": True}),
-    ("gc.freeze() + uvloop, 2 processes, traced", {**_BEST, "trace": True}),
-]
+STAGE_NAMES = {
+    "in": "client sends -> handler starts (connection, HTTP in, routing)",
+    "prepare": "handler starts -> prepared (body read and parsed, prompt hashed)",
+    "queue": "prepared -> queued for the engine thread (admission)",
+    "wait": "queued -> the engine thread takes it (the running step ends: modelled)",
+    "engine": "queued -> first output handed over (engine)",
+    "predicted": "... predicted for requests queued at those times (virtual replay)",
+    "back": "handed over -> first SSE chunk yielded (loop wake-up, queue, tasks)",
+    "out": "SSE chunk yielded -> client has it (send, loopback, client)",
+}
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -632,12 +629,12 @@ def met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def evaluate(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
-    """One run of the fleet under load and its replay: the table rows and the figures."""
+def evaluate(args: argparse.Namespace, processes: int, model_dir: Path) -> dict[str, Any]:
+    """One run of the fleet under load and its replay: the table's cells and the figures."""
     from kvpool.worker.settings import WorkerSettings
 
     with tempfile.TemporaryDirectory() as tmpdir:
-        res = run(args, model_dir, Path(tmpdir))
+        res = run(args, processes, model_dir, Path(tmpdir))
     # the fleet's own settings: `sim-fleet` with no flags but --model
     settings = WorkerSettings(model=str(model_dir), engine="sim")
     ok = [r for r in res["records"] if "error" not in r and "first" in r]
@@ -674,7 +671,8 @@ def evaluate(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     s_sum, s_count = res["server_ttft"]
     server_mean = s_sum / s_count * 1000 if s_count else float("nan")
     if args.dump:
-        args.dump.write_text(
+        args.dump.mkdir(parents=True, exist_ok=True)
+        (args.dump / f"sim_fleet_requests_{processes}proc.json").write_text(
             json.dumps(
                 [
                     {
@@ -699,45 +697,30 @@ def evaluate(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     run_s = res["wall_end"] - res["start"]
     rps_ok = rps >= GOAL_RPS * 0.98 and not errors
 
-    def row(name: str, a: float, b: float) -> str:
-        return f"| TTFT {name}, ms | {a:.1f} | {b:.1f} | {a / b:.2f}x | |"
+    def vs(q: str) -> str:
+        return f"{m[q]:.1f} / {p[q]:.1f} ({m[q] / p[q]:.2f}x)"
 
-    rows = [
-        "| Figure | measured | predicted (virtual replay) | ratio | goal |",
-        "|---|---|---|---|---|",
-        f"| requests/s completed ({len(ok)} in {wall:.1f} s; offered {offered:.0f}/s) "
-        f"| {rps:.1f} | {offered:.1f} | {rps / offered:.2f}x "
-        f"| >= {GOAL_RPS:.0f}, no errors: {met(rps_ok)} |",
-        f"| TTFT mean, ms | {m['mean']:.1f} | {p['mean']:.1f} | {m['mean'] / p['mean']:.2f}x "
-        f"| error {err:.1f}% <= {GOAL_ERROR_PCT:.0f}%: {met(err <= GOAL_ERROR_PCT)} |",
-        f"| TTFT p50, ms | {m['p50']:.1f} | {p['p50']:.1f} | {m['p50'] / p['p50']:.2f}x "
-        f"| error {err50:.1f}% |",
-        row("p90", m["p90"], p["p90"]),
-        row("p99", m["p99"], p["p99"]),
-        f"| TTFT mean seen by the workers (arrival to engine output), ms | {server_mean:.1f} "
-        f"| {p['mean']:.1f} | {server_mean / p['mean']:.2f}x | |",
-        f"| measured - predicted per request, ms: p50 / p90 / p99 "
-        f"| {percentile(excess, 50):.1f} / {percentile(excess, 90):.1f} / "
-        f"{percentile(excess, 99):.1f} | - | - | |",
-        f"| fixed cost of the HTTP path: one request at a time on an idle worker, measured "
-        f"- predicted TTFT, ms: p50 (p10-p90) | {percentile(fixed, 50):.2f} "
-        f"({percentile(fixed, 10):.2f}-{percentile(fixed, 90):.2f}) | - | - | |",
-        f"| errors | {len(errors)} | - | - | 0 |",
-        f"| client send lag behind schedule, ms: p50 / p99 "
-        f"| {percentile(lag, 50):.2f} / {percentile(lag, 99):.2f} | - | - | |",
-        f"| fleet CPU, cores (event loop / engine threads / other threads) "
-        f"| {cpu['fleet_s'] / run_s:.2f} ({cpu['fleet_event_loop_s'] / run_s:.2f} / "
+    cells = [
+        f"{rps:.1f} ({len(ok)} in {wall:.1f} s): {met(rps_ok)}",
+        f"{vs('mean')}, error {err:.1f}%: {met(err <= GOAL_ERROR_PCT)}",
+        f"{vs('p50')}, error {err50:.1f}%",
+        vs("p90"),
+        vs("p99"),
+        f"{server_mean:.1f} / {p['mean']:.1f} ({server_mean / p['mean']:.2f}x)",
+        f"{percentile(excess, 50):.1f} / {percentile(excess, 90):.1f} / "
+        f"{percentile(excess, 99):.1f}",
+        f"{percentile(fixed, 50):.2f} ({percentile(fixed, 10):.2f}-{percentile(fixed, 90):.2f})",
+        str(len(errors)),
+        f"{percentile(lag, 50):.2f} / {percentile(lag, 99):.2f}",
+        f"{cpu['fleet_s'] / run_s:.2f} ({cpu['fleet_event_loops_s'] / run_s:.2f} / "
         f"{cpu['fleet_engine_threads_s'] / run_s:.2f} / "
-        f"{cpu['fleet_other_threads_s'] / run_s:.2f}) | - | - | |",
-        f"| fleet stopped by garbage collection: full (gen 2) collections, total / longest ms "
-        f"| {len(full)}, {sum(x[2] for x in full) * 1000:.0f} / "
-        f"{max((x[2] for x in full), default=0) * 1000:.0f} | - | - | |",
-        f"| ... all collections of >= 1 ms: count, total ms | {len(pauses)}, "
-        f"{sum(x[2] for x in pauses) * 1000:.0f} | - | - | |",
-        f"| load generators' CPU, cores | {sum(cpu['clients_s']) / run_s:.2f} "
-        f"({args.clients} processes) | - | - | |",
+        f"{cpu['fleet_other_threads_s'] / run_s:.2f})",
+        f"{len(full)}, {sum(x[2] for x in full) * 1000:.0f} / "
+        f"{max((x[2] for x in full), default=0) * 1000:.0f}",
+        f"{len(pauses)}, {sum(x[2] for x in pauses) * 1000:.0f}",
+        f"{sum(cpu['clients_s']) / run_s:.2f}",
     ]
-    stage = stage_rows(res["stages"], ok, engine_first, res["start"]) if res["stages"] else []
+    parts = stage_parts(res["stages"], ok, engine_first, res["start"]) if res["stages"] else {}
     figures = {
         "requests_per_s": round(rps, 2),
         "ttft_error_pct": round(err, 2),
@@ -751,6 +734,7 @@ def evaluate(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "goal_met": rps_ok and err <= GOAL_ERROR_PCT,
     }
     detail = {
+        "processes": processes,
         "cpu_s": cpu,
         "run_s": run_s,
         "send_lag_ms": {"p50": percentile(lag, 50), "p99": percentile(lag, 99)},
@@ -764,13 +748,39 @@ def evaluate(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "requests": len(res["requests"]),
         "replay_s": replay_s,
     }
-    return {
-        "figures": figures,
-        "rows": rows,
-        "stages": stage,
-        "detail": detail,
-        "full_gc": len(full),
-    }
+    if parts.get("in"):
+        detail["stages_ms"] = {k: stats(v) for k, v in parts.items()}
+    return {"figures": figures, "cells": cells, "detail": detail}
+
+
+ROWS = [
+    ("requests/s completed", f">= {GOAL_RPS:.0f} (2% slack), no errors"),
+    ("TTFT mean, ms: measured / predicted", f"error <= {GOAL_ERROR_PCT:.0f}%"),
+    ("TTFT p50, ms: measured / predicted", ""),
+    ("TTFT p90, ms: measured / predicted", ""),
+    ("TTFT p99, ms: measured / predicted", ""),
+    ("TTFT mean seen by the workers (arrival to first output) / predicted, ms", ""),
+    ("measured - predicted per request, ms: p50 / p90 / p99", ""),
+    (
+        "fixed cost of the HTTP path: one request at a time on an idle worker, measured "
+        "- predicted TTFT, ms: p50 (p10-p90)",
+        "",
+    ),
+    ("errors", "0"),
+    ("client send lag behind schedule, ms: p50 / p99", ""),
+    ("fleet CPU, cores (event loops / engine threads / other threads)", ""),
+    ("garbage collection, full (gen 2): count, total / longest ms", ""),
+    ("... all collections of >= 1 ms: count, total ms", ""),
+    ("load generators' CPU, cores", ""),
+]
+
+
+def where(n: int) -> str:
+    return "1 process" if n == 1 else f"{n} processes"
+
+
+def json_key(n: int) -> str:
+    return {1: "one_process", 2: "two_processes"}.get(n, f"processes_{n}")
 
 
 def main() -> dict:
@@ -785,8 +795,10 @@ def main() -> dict:
     parser.add_argument(
         "--fleet-processes",
         type=int,
-        default=1,
-        help="split the workers over this many sim-fleet processes (the goal is for 1)",
+        nargs="+",
+        default=[1, 2],
+        help="one run per value: the fleet's `sim-fleet --processes` (the workers spread "
+        "over this many processes)",
     )
     parser.add_argument(
         "--switch-interval",
@@ -794,127 +806,126 @@ def main() -> dict:
         default=None,
         help="the fleet's GIL switch interval in seconds (Python's default: 0.005)",
     )
-    parser.add_argument("--uvloop", action="store_true", help="what-if: the fleet on uvloop")
-    parser.add_argument(
-        "--gc-freeze", action="store_true", help="what-if: gc.freeze() once the engines are built"
-    )
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="log when each request passes four points in the worker, and add a row per stage",
+        help="log when each request passes six points in the worker, and add a table of stages",
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
-    parser.add_argument("--dump", type=Path, default=None, help="write per-request records here")
     parser.add_argument(
-        "--what-ifs",
-        action="store_true",
-        help="then run the proposed fixes one by one (same workload) and tabulate them",
+        "--dump", type=Path, default=None, help="write per-request records in this folder"
     )
     parser.add_argument("--quick", action="store_true", help="8 s of arrivals")
     args = parser.parse_args()
     if args.quick:
         args.duration = 8.0
+    configs = sorted(set(args.fleet_processes))
 
     import psutil
 
     from kvpool.worker.settings import WorkerSettings
     from kvpool.worker.tiny import make_tiny_model
 
+    runs: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmpdir:
         model_dir = make_tiny_model(Path(tmpdir) / "tiny")
-        main_run = evaluate(args, model_dir)
         settings = WorkerSettings(model=str(model_dir), engine="sim")
-        what_ifs = []
-        for name, changes in WHAT_IFS if args.what_ifs else []:
-            variant = argparse.Namespace(**{**vars(args), **changes, "dump": None})
-            print(f"what-if: {name}", file=sys.stderr)
-            what_ifs.append((name, evaluate(variant, model_dir)))
+        for n in configs:
+            print(f"the fleet in {where(n)}", file=sys.stderr)
+            runs[n] = evaluate(args, n, model_dir)
+    meeting = [n for n in configs if runs[n]["figures"]["goal_met"]]
+    headline = meeting[0] if meeting else configs[0]
+    head = runs[headline]
 
-    table = "\n".join(main_run["rows"])
-    if main_run["stages"]:
-        table += "\n\nWhere TTFT goes:\n\n" + "\n".join(main_run["stages"])
-    if what_ifs:
+    rows = [
+        "| Figure | " + " | ".join(where(n) for n in configs) + " | goal |",
+        "|---|" + "---|" * len(configs) + "---|",
+    ]
+    for k, (name, goal) in enumerate(ROWS):
+        cells = " | ".join(runs[n]["cells"][k] for n in configs)
+        rows.append(f"| {name} | {cells} | {goal} |")
+    table = "\n".join(rows)
+    traced = [n for n in configs if "stages_ms" in runs[n]["detail"]]
+    if traced:
         lines = [
-            "| Variant | requests/s | TTFT mean: measured / predicted, ms | error | p50 error "
-            "| p99 measured / predicted, ms | workers' own TTFT / predicted "
-            "| full GCs: count, total ms |",
-            "|---|---|---|---|---|---|---|---|",
+            "| Stage, ms: mean / p50 / p90 | " + " | ".join(where(n) for n in traced) + " |",
+            "|---|" + "---|" * len(traced),
         ]
-        for name, r in [("as is (the run above)", main_run), *what_ifs]:
-            f = r["figures"]
-            mm, pp = f["ttft_measured_ms"], f["ttft_predicted_ms"]
-            lines.append(
-                f"| {name} | {f['requests_per_s']:.1f} | {mm['mean']:.1f} / {pp['mean']:.1f} "
-                f"| {f['ttft_error_pct']:.1f}% | {f['ttft_p50_error_pct']:.1f}% "
-                f"| {mm['p99']:.0f} / {pp['p99']:.0f} "
-                f"| {f['ttft_server_side_mean_ms'] / pp['mean']:.2f}x "
-                f"| {r['full_gc']}, {sum(r['detail']['gc_full_ms']):.0f} |"
+        for key, name in STAGE_NAMES.items():
+            cells = " | ".join(
+                "{mean:.2f} / {p50:.2f} / {p90:.2f}".format(**runs[n]["detail"]["stages_ms"][key])
+                for n in traced
             )
-        table += (
-            "\n\nWhat-ifs (the proposed fixes, applied by the benchmark's launcher, same "
-            "workload and seed):\n\n" + "\n".join(lines)
-        )
-        for name, r in what_ifs:
-            if r["stages"]:
-                table += f"\n\nWhere TTFT goes, {name}:\n\n" + "\n".join(r["stages"])
+            lines.append(f"| {name} | {cells} |")
+        table += "\n\nWhere TTFT goes (`--trace`):\n\n" + "\n".join(lines)
+
+    cores = psutil.cpu_count()
+    why = (
+        f"One column per `--processes N`. One process is one GIL: the {args.count} workers' "
+        f"event loops and engine threads in one process run Python one thread at a time, "
+        f"on at most one core, while this machine has {cores} (shared with the load "
+        f"generators); spread over more processes, the fleet can use them all. "
+        f"Headline (`requests_per_s` and `ttft_error_pct` at the top of sim_fleet.json): "
+        f"the fleet in {where(headline)}"
+    )
+    if not meeting:
+        why += ", the fewest processes, as no configuration meets both goals."
+    elif headline == configs[0]:
+        why += ", the fewest processes, and it meets both goals."
+    else:
+        missed = ", ".join(where(n) for n in configs if n < headline)
+        why += f", the fewest processes that meet both goals ({missed}: missed)."
     t = settings.timing()
-    where = "one process" if args.fleet_processes == 1 else f"{args.fleet_processes} processes"
+    gil = ""
     if args.switch_interval:
-        where += f", GIL switch interval {args.switch_interval * 1000:g} ms"
-    if args.uvloop:
-        where += ", what-if: on uvloop"
-    if args.gc_freeze:
-        where += ", what-if: gc.freeze() after start-up"
+        gil = f", GIL switch interval {args.switch_interval * 1000:g} ms"
     notes = (
-        f"{args.count} simulated workers in {where} (`kvpool worker sim-fleet`, default "
-        f"settings: block size {settings.block_size}, max_num_batched_tokens "
-        f"{settings.max_num_batched_tokens}, max_num_seqs {settings.max_num_seqs}; timing "
-        f"model a={t.a} b={t.b} c={t.c} d={t.d} e={t.e} f={t.f} ms). Load: Poisson arrivals "
-        f"at {args.rate:.0f}/s for {args.duration:.0f} s "
-        f"({main_run['detail']['requests']} requests), round-robin over the workers, from "
-        f"{args.clients} aiohttp processes; streaming completions, prompts of "
-        f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} token ids, max_tokens "
+        f"{args.count} simulated workers (`kvpool worker sim-fleet --count {args.count} "
+        f"--processes N`, on uvloop{gil}; default settings: block size {settings.block_size}, "
+        f"max_num_batched_tokens {settings.max_num_batched_tokens}, max_num_seqs "
+        f"{settings.max_num_seqs}; timing model a={t.a} b={t.b} c={t.c} d={t.d} e={t.e} "
+        f"f={t.f} ms). Load: Poisson arrivals at {args.rate:.0f}/s for {args.duration:.0f} s "
+        f"({head['detail']['requests']} requests, the same in every run), round-robin over "
+        f"the workers, from {args.clients} aiohttp processes; streaming completions, prompts "
+        f"of {args.prompt_tokens[0]}-{args.prompt_tokens[1]} token ids, max_tokens "
         f"{args.max_tokens[0]}-{args.max_tokens[1]}, ignore_eos. TTFT: from sending the "
         f"request to its first content chunk. Prediction: the same requests at their actual "
         f"send times through `SimEngine(virtual=True)` per worker. CPU: per thread over the "
-        f"run, the engine threads told apart by an OS thread name that the benchmark's "
-        f"launcher gives them. Garbage collections: timed by a `gc.callbacks` hook in the "
-        f"fleet process."
+        f"run, over all the fleet's processes, the engine threads told apart by an OS thread "
+        f"name the benchmark gives them. Garbage collections: timed by a `gc.callbacks` hook "
+        f"in each fleet process (a collection stops its own process only)."
     )
     print(table)
     print()
+    print(why)
+    print()
     print(notes)
-    machine = f"{platform.machine()}, {psutil.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine = f"{platform.machine()}, {cores} CPUs, Python {platform.python_version()}"
     out = args.results_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim_fleet.md").write_text(
         f"# Simulated fleet: throughput and TTFT against the timing model\n\n"
-        f"{dt.date.today()}, {machine}\n\n{table}\n\n{notes}\n"
+        f"{dt.date.today()}, {machine}\n\n{table}\n\n{why}\n\n{notes}\n"
     )
     (out / "sim_fleet.json").write_text(
         json.dumps(
             {
-                **main_run["figures"],
+                **head["figures"],
+                "headline": json_key(headline),
+                "headline_processes": headline,
                 "date": str(dt.date.today()),
                 "machine": machine,
-                "detail": {
-                    "args": {
-                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                    },
-                    **main_run["detail"],
-                },
-                "what_ifs": {name: {**r["figures"], "detail": r["detail"]} for name, r in what_ifs},
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                **{json_key(n): {**r["figures"], "detail": r["detail"]} for n, r in runs.items()},
             },
             indent=2,
         )
         + "\n"
     )
-    return main_run["figures"]
+    return head["figures"]
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--fleet":
-        sys.exit(fleet_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
         client_main(sys.argv[2], sys.argv[3])
         sys.exit(0)
