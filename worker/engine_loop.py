@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -126,21 +126,6 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self.call_soon(self.engine.abort, request_id)
-
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[TimedOutput]:
-        """Submit a request and yield its outputs. Leaving the iteration early (a client
-        that went away, a cancelled task) aborts the request and frees its blocks."""
-        queue: asyncio.Queue[TimedOutput] = asyncio.Queue()
-        self.submit(prepared, queue)
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                finished = item.output.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(prepared.request_id)
 
     # -- the engine thread ---------------------------------------------------------------
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
