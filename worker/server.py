@@ -44,6 +44,7 @@ from kvpool.openai_api import (
     parse_request,
 )
 
+from . import openai_format as fmt
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
 from .engine_loop import EngineLoop, TimedOutput
 from .kv_transfer import TransferError, TransferHeader, pull_blocks, stream_blocks
@@ -859,7 +860,7 @@ class WorkerServer:
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": self._usage([o[-1] for o in outs]),
+            "usage": fmt.usage([o[-1] for o in outs]),
         }
         if job.transfer is not None and job.transfer.do_remote_decode:
             body["kv_transfer_params"] = await self._transfer_params(job.prepared[0])
@@ -884,68 +885,14 @@ class WorkerServer:
     def port(self) -> int:
         return getattr(self, "_bound_port", None) or self.settings.port
 
-    def _usage(self, lasts: list[RequestOutput]) -> dict[str, Any]:
-        prompt = sum(o.num_prompt_tokens for o in lasts)
-        completion = sum(o.num_output_tokens for o in lasts)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in lasts)},
-        }
-
     def _choice(
         self, job: _Job, index: int, text: str, out: RequestOutput, lps: list[Any], *, final: bool
     ) -> dict[str, Any]:
-        finish = out.finish_reason if out.finished else None
-        logprobs = self._logprobs(job, lps) if job.logprobs is not None else None
-        if job.kind == "chat":
-            choice: dict[str, Any] = {"index": index}
-            if final:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["delta"] = {"content": text} if text else {}
-            choice.update(logprobs=logprobs, finish_reason=finish)
-        else:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if out.finished:
-            choice["stop_reason"] = out.stop_reason
-        return choice
-
-    def _logprobs(self, job: _Job, lps: list[Any]) -> dict[str, Any]:
-        tokenizer = self.engine.tokenizer if self.engine is not None else None
-
-        def text(token_id: int) -> str:
-            return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-        if job.kind == "chat":
-            content = []
-            for lp in lps:
-                t = text(lp.token_id)
-                top = [
-                    {"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
-                    for i, v in lp.top
-                ]
-                content.append(
-                    {
-                        "token": t,
-                        "logprob": lp.logprob,
-                        "bytes": list(t.encode()),
-                        "top_logprobs": top,
-                    }
-                )
-            return {"content": content}
-        tokens = [text(lp.token_id) for lp in lps]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{text(i): v for i, v in lp.top} for lp in lps],
-            "text_offset": offsets,
-        }
+        logprobs = None
+        if job.logprobs is not None:
+            tokenizer = self.engine.tokenizer if self.engine is not None else None
+            logprobs = fmt.logprobs(job.kind, lps, tokenizer)
+        return fmt.choice(job.kind, index, text, out, logprobs, final=final)
 
     async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
@@ -995,7 +942,7 @@ class WorkerServer:
                             [self._choice(job, i, out.new_text, out, out.logprobs, final=False)]
                         )
             if job.include_usage:
-                yield chunk([], self._usage(list(lasts.values())))
+                yield chunk([], fmt.usage(list(lasts.values())))
             yield b"data: [DONE]\n\n"
         finally:
             self._done(job)
