@@ -253,6 +253,9 @@ class EngineCore:
         self._lock = threading.RLock()
         self._generation_tokens = 0
         self._steps = 0
+        # False when the last step found nothing it could run (waiting requests that do
+        # not fit while pinned blocks hold the cache): the caller should wait, not spin.
+        self.last_step_scheduled = True
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -392,20 +395,25 @@ class EngineCore:
             return self._pinned.get(request_id)
 
     def open_pinned(self, request_id: str) -> PinnedBlocks | None:
-        """Start a transfer of pinned blocks: they stay pinned until :meth:`close_pinned`."""
+        """Start a transfer of pinned blocks. The reader holds its own reference on them
+        until :meth:`close_pinned`, so an unpin meanwhile (a DELETE, a timeout) cannot hand
+        them to another request while their bytes are being read."""
         with self._lock:
             pin = self._pinned.get(request_id)
             if pin is not None:
                 pin.readers += 1
+                self.pool.touch(pin.block_ids)
             return pin
 
     def close_pinned(self, pin: PinnedBlocks) -> None:
         with self._lock:
             pin.readers -= 1
-            pin.deadline = time.monotonic() + self.config.kv_pin_timeout_s
+            self.pool.free(list(reversed(pin.block_ids)))
+            if self._pinned.get(pin.request_id) is pin:
+                pin.deadline = time.monotonic() + self.config.kv_pin_timeout_s
 
     def unpin(self, request_id: str) -> bool:
-        """Free a request's pinned blocks (the decode side has them). ``False`` if none."""
+        """Drop a request's pin (the decode side has its blocks). ``False`` if none."""
         with self._lock:
             pin = self._pinned.pop(request_id, None)
             if pin is None:
@@ -491,6 +499,7 @@ class EngineCore:
         """
         with self._lock:
             batch = self.scheduler.schedule()
+            self.last_step_scheduled = bool(batch)
             if not batch:
                 self._flush_events()
                 return []

@@ -174,9 +174,11 @@ class EngineLoop:
         stopping = False
         while not stopping:
             commands: list[Any] = []
-            if not engine.has_unfinished():
+            if not engine.has_unfinished() or not engine.last_step_scheduled:
+                # Idle, or stuck until something changes (a command, a pin's expiry).
+                wait = max(0.0, next_pin_check - time.monotonic())
                 with suppress(queue.Empty):
-                    commands.append(self._commands.get(timeout=self.pin_check_interval_s))
+                    commands.append(self._commands.get(timeout=wait))
             while True:
                 try:
                     commands.append(self._commands.get_nowait())

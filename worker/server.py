@@ -17,6 +17,7 @@ import math
 import signal
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -124,6 +125,8 @@ class WorkerServer:
         self._idle = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
+        self.bound_port: int | None = None  # the port actually bound (with --port 0)
+        self.advertised_host = settings.advertised_host()  # resolved once, not per request
         self.app = self._build_app()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -194,12 +197,21 @@ class WorkerServer:
         if self._http is not None:
             await self._http.aclose()
 
-    async def drain(self, timeout: float | None = None) -> bool:
-        """Stop taking requests and wait for those in flight (up to ``timeout``)."""
+    async def drain(self, timeout: float | None = None, *, wait_for_pins: bool = False) -> bool:
+        """Stop taking requests and wait for those in flight (and, at shutdown, for the
+        blocks pinned for decode workers to be pulled), up to ``timeout``."""
         self.draining = True
         timeout = self.settings.drain_timeout_s if timeout is None else timeout
+
+        def pinned() -> int:
+            return self.loop.stats.pinned_requests if wait_for_pins and self.loop else 0
+
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._idle.wait()
+                # The count lives in the engine thread: look again shortly.
+                while pinned():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
             return True
         except TimeoutError:
             return False
@@ -248,8 +260,8 @@ class WorkerServer:
         app.add_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_route("/drain", self.drain_endpoint, methods=["POST"])
         app.add_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
-        app.add_route("/kv/{request_id}", self.get_kv, methods=["GET"])
-        app.add_route("/kv/{request_id}", self.delete_kv, methods=["DELETE"])
+        app.add_route("/kv/{request_id:path}", self.get_kv, methods=["GET"])
+        app.add_route("/kv/{request_id:path}", self.delete_kv, methods=["DELETE"])
         return app
 
     # -- plumbing ------------------------------------------------------------------------
@@ -342,8 +354,8 @@ class WorkerServer:
         if self.publisher is not None:
             replay = self.publisher.replay_endpoint
             events = KVEventsInfo(
-                endpoint=self.settings.advertise(self.publisher.endpoint),
-                replay_endpoint=self.settings.advertise(replay) if replay else None,
+                endpoint=_reachable(self.publisher.endpoint, self.advertised_host),
+                replay_endpoint=_reachable(replay, self.advertised_host) if replay else None,
                 topic=self.settings.kv_events_topic,
                 encoding=self.settings.kv_events_encoding,
             )
@@ -469,9 +481,11 @@ class WorkerServer:
         """Fetch a prefill worker's blocks into this cache; on any failure, log and count
         it, and let the request compute its prefill here."""
         engine, loop, metrics = self._ready()
-        url = (
-            f"http://{transfer.remote_host}:{transfer.remote_port}/kv/{transfer.remote_request_id}"
-        )
+        host = transfer.remote_host or ""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address
+        rid = urllib.parse.quote(transfer.remote_request_id or "", safe="")
+        url = f"http://{host}:{transfer.remote_port}/kv/{rid}"
         start = time.monotonic()
         try:
             assert self._http is not None
@@ -589,8 +603,8 @@ class WorkerServer:
         self._admit(job, metrics)
         try:
             await self._start(job)
-        except BaseException:  # the client left during a remote prefill's pull
-            self._done(job)
+        except BaseException:  # cancelled mid-pull (shutdown): nothing of the job may stay
+            self._close(job)
             raise
         log.debug(
             "request %s: %s, %d prompt(s), %d prompt tokens%s",
@@ -680,7 +694,7 @@ class WorkerServer:
         except PromptTooLong as exc:
             raise OpenAIError(
                 400,
-                str(exc).capitalize(),
+                str(exc)[:1].upper() + str(exc)[1:],
                 code="context_length_exceeded",
                 param="prompt" if req.__class__ is CompletionRequest else "messages",
             ) from None
@@ -877,13 +891,13 @@ class WorkerServer:
             remote_block_ids=pin.block_ids,
             remote_engine_id=self.engine_id,
             remote_request_id=prepared.request_id,
-            remote_host=self.settings.advertised_host(),
+            remote_host=self.advertised_host,
             remote_port=self.port,
         ).model_dump()
 
     @property
     def port(self) -> int:
-        return getattr(self, "_bound_port", None) or self.settings.port
+        return self.bound_port or self.settings.port
 
     def _choice(
         self, job: _Job, index: int, text: str, out: RequestOutput, lps: list[Any], *, final: bool
@@ -948,6 +962,13 @@ class WorkerServer:
             self._done(job)
 
 
+def _reachable(endpoint: str, host: str) -> str:
+    """A bound ZMQ endpoint as others can reach it (a wildcard bind names no host)."""
+    for wildcard in ("0.0.0.0", "*", "[::]"):
+        endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
+    return endpoint
+
+
 class _EventStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends, even if the client left
     before the body started (then the body's own ``finally`` never runs)."""
@@ -982,6 +1003,8 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self.worker = worker
         self.own_signals = own_signals
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future[None] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -997,18 +1020,29 @@ class _Uvicorn(uvicorn.Server):
                 self._captured_signals.clear()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.worker.draining:
-            log.info(
-                "signal %s: draining for up to %.0f s", sig, self.worker.settings.drain_timeout_s
-            )
+        """The first signal drains: health and new requests answer 503 while requests in
+        flight finish and decode workers pull the blocks pinned for them (the socket stays
+        open for that); then the server stops. A second signal stops it at once."""
+        if self.worker.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        log.info("signal %s: draining for up to %.0f s", sig, self.worker.settings.drain_timeout_s)
         self.worker.draining = True
-        super().handle_exit(sig, frame)
+        self._loop.call_soon_threadsafe(self._drain_then_exit)
+
+    def _drain_then_exit(self) -> None:
+        async def drain() -> None:
+            await self.worker.drain(wait_for_pins=True)
+            self.should_exit = True
+
+        self._drain_task = asyncio.ensure_future(drain())
 
     async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         for server in self.servers:
             for sock in server.sockets:
-                self.worker._bound_port = sock.getsockname()[1]
+                self.worker.bound_port = sock.getsockname()[1]
 
 
 def uvicorn_server(
@@ -1020,7 +1054,7 @@ def uvicorn_server(
         host=s.host,
         port=s.port,
         log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s) or None,
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
         access_log=False,
         lifespan="on",
     )

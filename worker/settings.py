@@ -108,9 +108,3 @@ class WorkerSettings(BaseModel):
             return socket.gethostbyname(socket.gethostname())
         except OSError:
             return "127.0.0.1"
-
-    def advertise(self, endpoint: str) -> str:
-        """A bound ZMQ endpoint as others can reach it."""
-        for wildcard in ("0.0.0.0", "*", "[::]"):
-            endpoint = endpoint.replace(f"//{wildcard}:", f"//{self.advertised_host()}:")
-        return endpoint
