@@ -30,6 +30,9 @@ __all__ = [
 Role = Literal["both", "prefill", "decode"]
 M = TypeVar("M", bound=BaseModel)
 
+#: the most alternatives a request may ask for per token (OpenAI's and vLLM's cap)
+MAX_LOGPROBS = 20
+
 
 class OpenAIError(Exception):
     """An error answered with OpenAI's error body and an HTTP status."""
@@ -93,7 +96,7 @@ class _Sampling(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_tokens: int = 0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # a 64-bit seed
     stop: Stop = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -120,6 +123,8 @@ class _Sampling(_Strict):
             return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options", "continuous_usage_stats is not supported"
         return None
 
 
@@ -128,7 +133,7 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -161,19 +166,12 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -246,6 +244,9 @@ def parse_request(model: type[M], body: bytes) -> M:
             message = f"missing required argument: {param}"
         else:
             message = f"{param}: {err['msg']}" if param else err["msg"]
+            got = repr(err.get("input"))
+            if len(got) <= 80:  # say what was sent, when it is short enough to read
+                message += f" (got {got})"
         raise OpenAIError(400, message, code="invalid_value", param=param) from None
 
 

@@ -22,6 +22,7 @@ import torch
 
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher, block_key
 from kvpool.kv_events import KVCacheEvent
+from kvpool.openai_api import MAX_LOGPROBS
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer, DetokenizerState
@@ -39,9 +40,6 @@ EventSink = Callable[[list[KVCacheEvent]], None]
 
 #: one sampled token: its sequence, the token id, and (logprob, top alternatives) or None
 Sampled = tuple[Seq, int, "tuple[float, list[tuple[int, float]]] | None"]
-
-#: the most alternatives a request may ask for per token (vLLM's default cap, OpenAI's too)
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -443,18 +441,24 @@ class EngineCore:
         data: bytes | memoryview,
         *,
         cache_salt: str | None = None,
+        digests: Sequence[bytes] | None = None,
     ) -> int:
         """Store blocks computed by a prefill worker in this cache, as cached prefix blocks
         (published as ``BlockStored``); a request for the same prompt admitted next finds
         them. The keys must match this engine's own hashes of the prompt (same model, block
-        size and seed), or nothing is stored. Returns how many blocks are now cached."""
+        size and seed), or nothing is stored. ``digests``: the prompt's hash chain if the
+        caller has it already (hashing a long prompt here would hold up the engine).
+        Returns how many blocks are now cached."""
         size = self.pool.block_size
         n = len(block_keys)
         if n > len(prompt_token_ids) // size:
             raise ValueError(f"{n} blocks sent for a prompt of {len(prompt_token_ids)} tokens")
-        chain = self.hasher.chain(cache_salt=cache_salt)
-        chain.extend(prompt_token_ids[: n * size])
-        if chain.keys != list(block_keys):
+        if digests is None:
+            chain = self.hasher.chain(cache_salt=cache_salt)
+            chain.extend(prompt_token_ids[: n * size])
+            digests = chain.digests
+        digests = list(digests[:n])
+        if [block_key(d) for d in digests] != list(block_keys):
             raise ValueError(
                 "the sent blocks' hashes differ from this worker's: model, block size or "
                 f"hash seed differ ({self.hasher.fingerprint} here)"
@@ -464,7 +468,7 @@ class EngineCore:
             raise ValueError(f"expected {n * block_bytes} bytes of KV, got {len(data)}")
         view = memoryview(data)
         with self._lock:
-            prefix = self.pool.lookup(chain.digests)
+            prefix = self.pool.lookup(digests)
             have = len(prefix)
             # Hold the cached prefix while allocating, or the allocation could evict it
             # (and the stored blocks would hang off a parent the index no longer has).
@@ -477,9 +481,9 @@ class EngineCore:
                 self._write_blocks(block_ids, view[have * block_bytes : end * block_bytes])
                 held = self.pool.cache_blocks(
                     block_ids,
-                    chain.digests[have:end],
+                    digests[have:end],
                     [prompt_token_ids[j * size : (j + 1) * size] for j in range(have, end)],
-                    chain.digests[have - 1] if have else None,
+                    digests[have - 1] if have else None,
                 )
                 self.pool.free(list(reversed(held)))
             self.pool.free(list(reversed(prefix)))

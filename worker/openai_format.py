@@ -49,8 +49,11 @@ def choice(
     return c
 
 
-def logprobs(kind: str, lps: list[TokenLogprob], tokenizer: Any | None) -> dict[str, Any]:
-    """Log-probabilities of generated tokens and their top alternatives."""
+def logprobs(
+    kind: str, lps: list[TokenLogprob], tokenizer: Any | None, text_offset: int = 0
+) -> dict[str, Any]:
+    """Log-probabilities of generated tokens and their top alternatives. ``text_offset``:
+    where these tokens' text starts in the choice's text (a streamed chunk's is not 0)."""
 
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
@@ -67,7 +70,7 @@ def logprobs(kind: str, lps: list[TokenLogprob], tokenizer: Any | None) -> dict[
             )
         return {"content": content}
     tokens = [text(lp.token_id) for lp in lps]
-    offsets, at = [], 0
+    offsets, at = [], text_offset
     for t in tokens:
         offsets.append(at)
         at += len(t)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -98,7 +99,6 @@ class _Job:
     include_usage: bool
     logprobs: int | None
     transfer: KVTransferParams | None
-    cache_salt: str | None
     queued_tokens: int = 0
     outputs: asyncio.Queue[TimedOutput] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)  # engine requests still running
@@ -317,7 +317,8 @@ class WorkerServer:
         )
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        # The model path as given also names it (vLLM's default served name).
+        if model is not None and model not in (self.model_name, self.settings.model):
             raise OpenAIError(
                 404,
                 f"the model {model!r} does not exist here; this worker serves {self.model_name!r}",
@@ -399,7 +400,11 @@ class WorkerServer:
             )
         else:
             tokenizer = self._tokenizer(engine)
-            tokens = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            encode = functools.partial(
+                tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
+            small = len(req.prompt or "") <= INLINE_PREPARE_LIMIT
+            tokens = encode() if small else await asyncio.to_thread(encode)
         return JSONResponse(
             {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
         )
@@ -476,7 +481,7 @@ class WorkerServer:
 
     # -- KV hand-off: the decode side ----------------------------------------------------
     async def _pull_remote_prefill(
-        self, prepared: PreparedRequest, transfer: KVTransferParams, cache_salt: str | None
+        self, prepared: PreparedRequest, transfer: KVTransferParams
     ) -> None:
         """Fetch a prefill worker's blocks into this cache; on any failure, log and count
         it, and let the request compute its prefill here."""
@@ -499,7 +504,10 @@ class WorkerServer:
                 raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
             stored = await loop.call(
                 lambda: engine.import_blocks(
-                    prepared.prompt_token_ids, header.block_hashes, data, cache_salt=cache_salt
+                    prepared.prompt_token_ids,
+                    header.block_hashes,
+                    data,
+                    digests=prepared.seq.hash_chain.digests,  # hashed already, off the engine
                 )
             )
             metrics.kv_pull_seconds.observe(time.monotonic() - start)
@@ -573,10 +581,10 @@ class WorkerServer:
                 raise OpenAIError(400, "prompt: must not be empty", param="prompt")
             logprobs = req.logprobs
             max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        if transfer is not None and transfer.do_remote_decode and len(prompts) != 1:
+        if transfer is not None and len(prompts) != 1:
             raise OpenAIError(
                 400,
-                "kv_transfer_params: a prefill request has one prompt",
+                "kv_transfer_params: a request of the prefill/decode hand-off has one prompt",
                 param="kv_transfer_params",
             )
         prepared: list[PreparedRequest] = []
@@ -598,7 +606,6 @@ class WorkerServer:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             logprobs=logprobs,
             transfer=transfer,
-            cache_salt=req.cache_salt,
         )
         self._admit(job, metrics)
         try:
@@ -795,7 +802,7 @@ class WorkerServer:
         for i, prepared in enumerate(job.prepared):
             t = job.transfer
             if t is not None and t.do_remote_prefill:
-                await self._pull_remote_prefill(prepared, t, job.cache_salt)
+                await self._pull_remote_prefill(prepared, t)
             job.unfinished.add(prepared.request_id)
             loop.submit(prepared, job.outputs, i)
 
@@ -900,12 +907,20 @@ class WorkerServer:
         return self.bound_port or self.settings.port
 
     def _choice(
-        self, job: _Job, index: int, text: str, out: RequestOutput, lps: list[Any], *, final: bool
+        self,
+        job: _Job,
+        index: int,
+        text: str,
+        out: RequestOutput,
+        lps: list[Any],
+        *,
+        final: bool,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
         logprobs = None
         if job.logprobs is not None:
             tokenizer = self.engine.tokenizer if self.engine is not None else None
-            logprobs = fmt.logprobs(job.kind, lps, tokenizer)
+            logprobs = fmt.logprobs(job.kind, lps, tokenizer, text_offset)
         return fmt.choice(job.kind, index, text, out, logprobs, final=final)
 
     async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
@@ -924,6 +939,7 @@ class WorkerServer:
             return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
         lasts: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # per choice: where the next logprob token's text starts
         try:
             if job.kind == "chat":
                 yield chunk(
@@ -948,13 +964,23 @@ class WorkerServer:
                             code="engine_error",
                         )
                         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+                        yield b"data: [DONE]\n\n"
                         return
                     if out.finished:
                         lasts[i] = out
                     if out.new_text or out.finished or job.logprobs is not None:
-                        yield chunk(
-                            [self._choice(job, i, out.new_text, out, out.logprobs, final=False)]
+                        c = self._choice(
+                            job,
+                            i,
+                            out.new_text,
+                            out,
+                            out.logprobs,
+                            final=False,
+                            text_offset=offsets.get(i, 0),
                         )
+                        if c["logprobs"] and "tokens" in c["logprobs"]:
+                            offsets[i] = offsets.get(i, 0) + sum(map(len, c["logprobs"]["tokens"]))
+                        yield chunk([c])
             if job.include_usage:
                 yield chunk([], fmt.usage(list(lasts.values())))
             yield b"data: [DONE]\n\n"
