@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +101,14 @@ def processes(llama_dir: Path, tmp_path: Path) -> Iterator[Any]:
         p.kill()
 
 
-def complete(url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+def complete(url: str, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     r = httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def prefill(url: str, prompt: str = PROMPT) -> dict[str, Any]:
+def prefill(url: str, prompt: str | list[int] = PROMPT) -> dict[str, Any]:
     answer = complete(url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
     params = answer["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_request_id"]
@@ -158,8 +158,10 @@ class CuttingProxy:
     """Relays one connection to the prefill worker and cuts the response after ``limit``
     bytes, as a prefill worker dying in the middle of a transfer would."""
 
-    def __init__(self, upstream_port: int, limit: int) -> None:
-        self.upstream_port, self.limit = upstream_port, limit
+    def __init__(
+        self, upstream_port: int, limit: int, on_cut: Callable[[], None] = lambda: None
+    ) -> None:
+        self.upstream_port, self.limit, self.on_cut = upstream_port, limit, on_cut
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.relayed = 0
@@ -174,6 +176,12 @@ class CuttingProxy:
             threading.Thread(target=self._relay, args=(client,), daemon=True).start()
 
     def _relay(self, client: socket.socket) -> None:
+        try:
+            self._relay_one(client)
+        except OSError:  # the upstream is gone (killed): the client sees a closed connection
+            client.close()
+
+    def _relay_one(self, client: socket.socket) -> None:
         with client, socket.create_connection(("127.0.0.1", self.upstream_port)) as upstream:
             client.settimeout(5)
             request = client.recv(65536)
@@ -187,27 +195,69 @@ class CuttingProxy:
                     break
                 client.sendall(data)
                 self.relayed += len(data)
+            if self.relayed >= self.limit:
+                self.on_cut()
 
     def close(self) -> None:
         self.sock.close()
 
 
-def test_a_transfer_cut_midway_leads_to_a_local_prefill(start_worker: Any) -> None:
-    both = start_worker()
-    expected = complete(both.url, PROMPT, 16)["choices"][0]["text"]
-    p = start_worker(role="prefill")
-    d = start_worker(role="decode")
+def test_a_prefill_worker_killed_mid_transfer_leads_to_a_local_prefill(
+    processes: Any, start_worker: Any
+) -> None:
+    expected = complete(start_worker().url, PROMPT, 16)["choices"][0]["text"]
+    p, d = processes("prefill"), start_worker(role="decode")
     params = prefill(p.url)
-    proxy = CuttingProxy(p.port, limit=3000)  # headers, the transfer header, part of a block
+    # The pull goes through a relay that kills the prefill process once the response
+    # headers, the transfer header and part of the first block have gone through.
+    proxy = CuttingProxy(p.port, limit=3000, on_cut=p.kill)
     try:
         cut = {**params, "remote_port": proxy.port}
         answer = complete(d.url, PROMPT, 16, kv_transfer_params=cut)
     finally:
         proxy.close()
-    assert proxy.relayed == 3000
+    assert proxy.relayed == 3000 and p.proc.poll() is not None
     assert answer["choices"][0]["text"] == expected
     assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
     assert d.engine.stats.prefix_cache_hits == 0  # nothing half-received was stored
+
+
+def test_a_pull_keeps_its_blocks_even_if_the_pin_is_deleted_meanwhile(start_worker: Any) -> None:
+    p = start_worker(role="prefill")
+    rid = prefill(p.url)["remote_request_id"]
+    engine = p.engine
+    pin = engine.open_pinned(rid)  # a pull under way
+    assert httpx.delete(f"{p.url}/kv/{rid}").status_code == 200
+    assert all(engine.pool.blocks[b].ref_count > 0 for b in pin.block_ids)  # still readable
+    engine.close_pinned(pin)
+    assert engine.stats.kv_usage == 0
+
+
+def test_pins_that_block_admission_leave_the_engine_thread_idle(start_worker: Any) -> None:
+    import psutil
+
+    # 8 blocks: a pinned prefill of 6 leaves too few for the next prompt until it expires.
+    p = start_worker(role="prefill", num_blocks=8, kv_pin_timeout_s=2.0)
+    prefill(p.url, list(range(10, 110)))
+    assert p.metric("kvpool_worker_pinned_requests") == 1
+    waiting: list[dict[str, Any]] = []
+    blocked = list(range(200, 250))  # 4 blocks, with 2 free
+    thread = threading.Thread(target=lambda: waiting.append(complete(p.url, blocked, 4)))
+    thread.start()
+    p.wait_for(lambda: p.metric("vllm:num_requests_waiting") == 1)
+    engine_thread = p.worker.loop._thread.native_id
+
+    def cpu() -> float:
+        t = next(t for t in psutil.Process().threads() if t.id == engine_thread)
+        return t.user_time + t.system_time
+
+    before, start = cpu(), time.monotonic()
+    time.sleep(0.5)  # measuring an interval, not waiting for a condition
+    busy = (cpu() - before) / (time.monotonic() - start)
+    thread.join(timeout=30)
+    assert busy < 0.2, f"the engine thread used {busy:.0%} of a core while stuck"
+    assert waiting and waiting[0]["usage"]["completion_tokens"] == 4  # served after expiry
+    assert p.metric("kvpool_worker_kv_pins_expired_total") == 1
 
 
 def test_blocks_from_another_hash_seed_are_refused(start_worker: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from typing import Any
 
@@ -137,7 +138,11 @@ def test_chat_completion_uses_the_chat_template(worker: RunningWorker) -> None:
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
-    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        r.usage.prompt_tokens,
+        10,
+    )
 
 
 def test_stop_strings_and_logprobs(worker: RunningWorker) -> None:
@@ -192,6 +197,23 @@ def test_metrics_agree_with_the_engine(worker: RunningWorker) -> None:
     worker.wait_for(lambda: worker.worker.loop.stats.num_running == 0)
     stats = worker.engine.stats
     m = worker.metric
+    # Independently: each later prompt finds cached the full blocks it shares with the
+    # first (never the block of its last token).
+    hasher = worker.engine.hasher
+    ids = [worker.engine.tokenizer.encode(f"{shared} Question {i}?") for i in range(4)]
+    first = hasher.hash_prompt(ids[0])
+    shared_blocks = [
+        sum(
+            1
+            for _ in itertools.takewhile(
+                lambda ab: ab[0] == ab[1],
+                zip(first, hasher.hash_prompt(p)[: (len(p) - 1) // 16], strict=False),
+            )
+        )
+        for p in ids[1:]
+    ]
+    assert m("vllm:prefix_cache_hits_total") == 16 * sum(shared_blocks) > 0
+    assert m("vllm:prefix_cache_queries_total") == sum(map(len, ids))
     assert m("vllm:prefix_cache_queries_total") == stats.prefix_cache_queries
     assert m("vllm:prefix_cache_hits_total") == stats.prefix_cache_hits > 0
     assert m("vllm:prompt_tokens_total") == stats.prompt_tokens
@@ -224,6 +246,7 @@ async def test_event_subscriber_ends_with_the_pool_s_blocks(
         info = (await client.get("/kvpool/info")).json()["kv_events"]
     assert (info["encoding"], info["topic"]) == (encoding, topic)
     index: set[int] = set()
+    evicted: set[int] = set()
     caught_up = asyncio.Event()
     last_seq: list[int] = []  # the publisher's last sequence number, once the load is done
     received = [-1]
@@ -237,6 +260,7 @@ async def test_event_subscriber_ends_with_the_pool_s_blocks(
                     index.update(event.block_hashes)
                 elif kind == "BlockRemoved":
                     index.difference_update(event.block_hashes)
+                    evicted.update(event.block_hashes)
                 else:
                     index.clear()
             received[0] = item.seq
@@ -273,6 +297,7 @@ async def test_event_subscriber_ends_with_the_pool_s_blocks(
     pool = {block_key(d) for d in worker.engine.pool.cached_digests}
     assert worker.metric("vllm:prefix_cache_queries_total") > 0
     assert index == pool and len(pool) > 0
+    assert evicted  # the load was big enough to evict, and evictions were followed
 
 
 def _blocks_in_use(worker: RunningWorker) -> float:
@@ -295,15 +320,20 @@ def test_a_client_that_gives_up_on_a_long_answer_frees_its_blocks(worker: Runnin
     body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
     started = threading.Event()
 
+    outcome: list[BaseException | httpx.Response] = []
+
     def give_up() -> None:
-        with pytest.raises(httpx.ReadTimeout):
-            started.set()
-            httpx.post(worker.url + "/v1/completions", json=body, timeout=0.5)
+        started.set()
+        try:
+            outcome.append(httpx.post(worker.url + "/v1/completions", json=body, timeout=0.5))
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
 
     thread = threading.Thread(target=give_up)
     thread.start()
     started.wait()
     worker.wait_for(lambda: _blocks_in_use(worker) > 0)
     thread.join()
+    assert isinstance(outcome[0], httpx.ReadTimeout), outcome
     worker.wait_for(lambda: _blocks_in_use(worker) == 0)
     assert worker.engine.stats.generation_tokens < 900
