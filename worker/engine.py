@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -111,6 +111,12 @@ class Completion:
     num_cached_tokens: int
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go, in order (called by the engine, under its lock)."""
+
+    def put(self, output: RequestOutput) -> None: ...
+
+
 class RequestStream:
     """One request's outputs, in order; iterate to get them until the last."""
 
@@ -154,7 +160,7 @@ class EngineStats:
 @dataclass
 class _Request:
     seq: Seq
-    stream: RequestStream
+    stream: OutputSink
     detok: DetokenizerState
 
 
@@ -304,7 +310,7 @@ class EngineCore:
     def _init_sequence(self, seq: Seq) -> None:
         """Per-request state of the forward pass (a seeded generator, for instance)."""
 
-    def submit(self, prepared: PreparedRequest, stream: RequestStream) -> None:
+    def submit(self, prepared: PreparedRequest, stream: OutputSink) -> None:
         """Queue a prepared request; its outputs go to ``stream``."""
         seq = prepared.seq
         detok = DetokenizerState.for_prompt(seq.num_prompt_tokens)

@@ -19,7 +19,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .engine import EngineCore, EngineStats, PreparedRequest, RequestOutput, RequestStream
+from .engine import EngineCore, EngineStats, PreparedRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +35,13 @@ class TimedOutput:
     tag: int = 0  # the submitter's label (which choice of a request it belongs to)
 
 
-class _LoopStream(RequestStream):
-    """A request stream whose outputs are handed to an asyncio queue by the engine loop."""
+class _LoopStream:
+    """A request's output sink: the engine thread posts each output for the event loop."""
 
-    def __init__(
-        self,
-        owner: EngineLoop,
-        prepared: PreparedRequest,
-        queue: asyncio.Queue[TimedOutput],
-        tag: int,
-    ) -> None:
-        super().__init__(prepared.request_id, prepared.prompt_token_ids)
+    def __init__(self, owner: EngineLoop, queue: asyncio.Queue[TimedOutput], tag: int) -> None:
         self.owner, self.queue, self.tag = owner, queue, tag
 
     def put(self, output: RequestOutput) -> None:  # called in the engine thread
-        self.ended = self.ended or output.finished
         # Stamped when handed over (after the step), the moment a client could see it.
         self.owner._post(self.queue.put_nowait, TimedOutput(output, 0.0, self.tag))
 
@@ -104,9 +96,7 @@ class EngineLoop:
     ) -> None:
         """Queue a request; its outputs arrive on ``queue``, tagged with ``tag``. Whoever
         stops reading before the last output must :meth:`abort` it (to free its blocks)."""
-        self._commands.put(
-            (self._submit, (prepared, _LoopStream(self, prepared, queue, tag)), None)
-        )
+        self._commands.put((self._submit, (prepared, _LoopStream(self, queue, tag)), None))
 
     def _submit(self, prepared: PreparedRequest, stream: _LoopStream) -> None:
         try:

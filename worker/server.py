@@ -426,7 +426,7 @@ class WorkerServer:
         return engine.tokenizer
 
     # -- KV hand-off: the prefill side ---------------------------------------------------
-    async def get_kv(self, request: Request) -> StreamingResponse:
+    async def get_kv(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
         engine, loop, metrics = self._ready()
         pin = await loop.call(engine.open_pinned, request_id)
@@ -450,21 +450,21 @@ class WorkerServer:
         )
 
         async def read(ids: Sequence[int]) -> bytes | memoryview:
-            if not header.block_bytes:
-                return b""
-            return await asyncio.to_thread(engine.read_blocks, ids)
+            # Read in the engine thread, between steps: the release below is queued behind
+            # the last read, so it can never overtake a copy still in progress.
+            return await loop.call(engine.read_blocks, ids) if header.block_bytes else b""
 
         async def body() -> AsyncIterator[bytes | memoryview]:
-            try:
-                async for chunk in stream_blocks(header, pin.block_ids, read):
-                    yield chunk
-                metrics.transferred("sent", len(pin.block_ids), header.body_bytes)
-            finally:
-                loop.call_soon(engine.close_pinned, pin)
+            async for chunk in stream_blocks(header, pin.block_ids, read):
+                yield chunk
+            metrics.transferred("sent", len(pin.block_ids), header.body_bytes)
 
         size = len(header.encode()) + header.body_bytes
-        return StreamingResponse(
-            body(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        return _ClosingStream(
+            body(),
+            lambda: loop.call_soon(engine.close_pinned, pin),
+            media_type="application/octet-stream",
+            headers={"Content-Length": str(size)},
         )
 
     async def delete_kv(self, request: Request) -> JSONResponse:
@@ -837,7 +837,12 @@ class WorkerServer:
     async def _answer(self, request: Request, job: _Job) -> Response:
         headers = {"X-Request-Id": job.id.split("-", 1)[1]}
         if job.stream:
-            return _EventStream(self._sse(job), lambda: self._close(job), headers=headers)
+            return _ClosingStream(
+                self._sse(job),
+                lambda: self._close(job),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         collect = asyncio.create_task(self._collect(job))
         gone = asyncio.create_task(_disconnected(request))
         try:
@@ -995,14 +1000,12 @@ def _reachable(endpoint: str, host: str) -> str:
     return endpoint
 
 
-class _EventStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends, even if the client left
+class _ClosingStream(StreamingResponse):
+    """A streamed response that runs ``on_close`` however it ends, even if the client left
     before the body started (then the body's own ``finally`` never runs)."""
 
-    def __init__(
-        self, body: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any
-    ) -> None:
-        super().__init__(body, media_type="text/event-stream", **kwargs)
+    def __init__(self, body: AsyncIterator[Any], on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(body, **kwargs)
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
