@@ -9,6 +9,7 @@ Those three are safe to call from any thread; a step and a call never interleave
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -31,7 +32,7 @@ from .model import LlamaModel
 from .model_runner import ModelRunner, blocks_for_memory
 from .sampler import sample
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from .sequence import SamplingParams
+from .sequence import InvalidParam, SamplingParams
 from .sequence import Sequence as Seq
 
 log = logging.getLogger(__name__)
@@ -205,10 +206,8 @@ class KVLayout:
     def block_bytes(self) -> int:
         if self.dtype == "none":
             return 0
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return math.prod(self.block_shape) * itemsize
 
 
 class EngineCore:
@@ -287,14 +286,32 @@ class EngineCore:
         pin_blocks: bool = False,
     ) -> PreparedRequest:
         """Validate, tokenize and hash a request (raises ``ValueError`` saying what is
-        wrong). ``pin_blocks``: when it finishes, keep its full prompt blocks for a decode
-        worker to pull (see :meth:`pinned`)."""
-        params = params or SamplingParams()
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}")
-        self._check_vocabulary(params.stop_token_ids, "stop token id")
+        wrong: :class:`PromptTooLong`, or :class:`InvalidParam` naming the setting).
+        ``pin_blocks``: when it finishes, keep its full prompt blocks for a decode worker
+        to pull (see :meth:`pinned`)."""
         token_ids = self.prompt_tokens_of(prompt)
         self.check_prompt_length(len(token_ids))
+        return self.prepare_tokens(
+            token_ids, params, request_id, cache_salt=cache_salt, pin_blocks=pin_blocks
+        )
+
+    def prepare_tokens(
+        self,
+        token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        pin_blocks: bool = False,
+    ) -> PreparedRequest:
+        """:meth:`prepare` for a prompt already checked by :meth:`prompt_tokens_of` and
+        :meth:`check_prompt_length` (a caller that needs its length first)."""
+        params = params or SamplingParams()
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise InvalidParam(
+                "logprobs", f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}"
+            )
+        self.check_vocabulary(params.stop_token_ids, "stop_token_ids", "stop token id")
         request_id = request_id or uuid.uuid4().hex
         chain = self.hasher.chain(cache_salt=cache_salt)
         chain.extend(token_ids)
@@ -323,20 +340,23 @@ class EngineCore:
     def prompt_tokens_of(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: give token ids")
+                raise InvalidParam("prompt", "prompt: this engine has no tokenizer; give token ids")
             token_ids = list(self.tokenizer.encode(prompt))
         else:
             token_ids = list(prompt)
-            self._check_vocabulary(token_ids, "token id")
+            self.check_vocabulary(token_ids, "prompt", "token id")
         if not token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidParam("prompt", "prompt: the prompt is empty")
         return token_ids
 
-    def _check_vocabulary(self, token_ids: Sequence[int], what: str) -> None:
+    def check_vocabulary(self, token_ids: Sequence[int], param: str, what: str) -> None:
+        """Raise :class:`InvalidParam` for ``param`` if a token id is not in the vocabulary."""
         vocab = self.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"{what} {bad[0]!r} is not in the vocabulary [0, {vocab})")
+            raise InvalidParam(
+                param, f"{param}: {what} {bad[0]!r} is not in the vocabulary [0, {vocab})"
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. ``False`` if it is unknown or done."""
@@ -738,21 +758,26 @@ class LLMEngine(EngineCore):
 
     # -- KV blocks as bytes (the prefill/decode hand-off) --------------------------------
     @property
+    def _block_shape(self) -> list[int]:
+        """One block of the cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]``:
+        the same without the blocks axis."""
+        kv = self.runner.kv_cache
+        return [kv.shape[0], kv.shape[1], *kv.shape[3:]]
+
+    @property
     def kv_layout(self) -> KVLayout:
-        kv = self.runner.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        shape = [kv.shape[0], kv.shape[1], *kv.shape[3:]]
-        return KVLayout(str(kv.dtype).removeprefix("torch."), shape)
+        return KVLayout(str(self.runner.kv_cache.dtype).removeprefix("torch."), self._block_shape)
 
     def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
-        kv = self.runner.kv_cache  # [layers, 2, blocks, ...]: a block is strided, copy it out
-        out = torch.empty((len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:]), dtype=kv.dtype)
+        kv = self.runner.kv_cache  # a block is strided across layers: copy each one out
+        out = torch.empty((len(block_ids), *self._block_shape), dtype=kv.dtype)
         for i, block_id in enumerate(block_ids):
             out[i].copy_(kv[:, :, block_id])
         return memoryview(out.view(torch.uint8).numpy()).cast("B")
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
         kv = self.runner.kv_cache
-        shape = [len(block_ids), kv.shape[0], kv.shape[1], *kv.shape[3:]]
+        shape = [len(block_ids), *self._block_shape]
         if (isinstance(data, memoryview) and data.readonly) or isinstance(data, bytes):
             data = bytearray(data)  # torch wants writable memory to wrap without copying
         raw = torch.frombuffer(data, dtype=torch.uint8)

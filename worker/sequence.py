@@ -12,6 +12,14 @@ import torch
 from kvpool.hashing import BlockHashChain
 
 
+class InvalidParam(ValueError):
+    """A request setting that cannot be served; ``param`` names it (for an API error)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
@@ -44,7 +52,7 @@ class SamplingParams:
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} {why}")
+                raise InvalidParam(name, f"{name}={getattr(self, name)!r} {why}")
 
     @property
     def greedy(self) -> bool:

@@ -51,7 +51,7 @@ from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, Reque
 from .engine_loop import EngineLoop, TimedOutput
 from .kv_transfer import TransferError, TransferHeader, pull_blocks, stream_blocks
 from .metrics import RequestTimer, WorkerMetrics
-from .sequence import SamplingParams
+from .sequence import InvalidParam, SamplingParams
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -414,9 +414,9 @@ class WorkerServer:
         req = parse_request(DetokenizeRequest, await self._body(request))
         self._check_model(req.model)
         try:
-            engine._check_vocabulary(req.tokens, "token id")
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="tokens") from None
+            engine.check_vocabulary(req.tokens, "tokens", "token id")
+        except InvalidParam as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
         return JSONResponse({"prompt": self._tokenizer(engine).decode(req.tokens)})
 
     @staticmethod
@@ -705,8 +705,8 @@ class WorkerServer:
                 code="context_length_exceeded",
                 param="prompt" if req.__class__ is CompletionRequest else "messages",
             ) from None
-        except ValueError as exc:
-            raise OpenAIError(400, f"prompt: {exc}", param="prompt") from None
+        except InvalidParam as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
         room = engine.max_model_len - len(ids)
         if max_tokens is None:
             max_tokens = room
@@ -722,10 +722,6 @@ class WorkerServer:
             )
         stop = req.stop if isinstance(req.stop, list) else [] if req.stop is None else [req.stop]
         try:
-            engine._check_vocabulary(req.stop_token_ids or [], "stop_token_ids: token id")
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="stop_token_ids") from None
-        try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -740,16 +736,15 @@ class WorkerServer:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
             )
-            return engine.prepare(
+            return engine.prepare_tokens(
                 ids,
                 params,
                 request_id,
                 cache_salt=req.cache_salt,
                 pin_blocks=bool(transfer and transfer.do_remote_decode),
             )
-        except ValueError as exc:
-            param = str(exc).split("=", 1)[0].split(" ", 1)[0]
-            raise OpenAIError(400, str(exc), param=param) from None
+        except InvalidParam as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
 
     def _admit(self, job: _Job, metrics: WorkerMetrics) -> None:
         """Bound the work waiting for prefill: beyond the limit, 429 with a Retry-After from

@@ -65,13 +65,11 @@ class TimingModel:
         prefill: list[int] = []
         decode = context = 0
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            if seq.num_computed_tokens + n <= seq.num_prompt_tokens:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt, or a chunk of one
                 prefill.append(n)
-            elif seq.num_computed_tokens >= seq.num_prompt_tokens:
+            else:
                 decode += 1
                 context += seq.num_computed_tokens + n
-            else:  # the prompt's last chunk: counts as prefill
-                prefill.append(n)
         ms = self.prefill_ms(prefill) + self.decode_ms(decode, context)
         return ms * self.time_scale / 1000.0
 
