@@ -3,7 +3,10 @@
 * ``kvpool hash``: block keys of a token list, to check that a worker (ours or vLLM) and
   the router agree on block size and seed;
 * ``kvpool events listen``: follow a worker's KV event stream as JSON lines;
-* ``kvpool worker ...``: the inference worker's commands (``kvpool[worker]``).
+* ``kvpool up``: the local stack, a router and N workers on loopback (``--demo`` sends a
+  few requests through it and stops);
+* ``kvpool worker ...``: the inference worker's commands (``kvpool[worker]``);
+* ``kvpool router ...``: the KV-aware router's commands (``kvpool[router]``).
 
 A component's commands live in that component (``kvpool.worker.cli``): the core only
 names the module and imports it when its command is run, so ``kvpool hash`` needs neither
@@ -91,8 +94,58 @@ def _cmd_listen(args: argparse.Namespace) -> int:
 
 #: component commands: name -> (module with ``main(argv) -> int``, extra to install, help)
 COMPONENTS = {
-    "worker": ("kvpool.worker.cli", "worker", "the inference worker: make-tiny-model, generate"),
+    "worker": ("kvpool.worker.cli", "worker", "the inference worker: serve, make-tiny-model"),
+    "router": ("kvpool.router.cli", "router", "the KV-aware router: serve, route"),
 }
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import subprocess
+    from pathlib import Path
+
+    from .stack import Stack, StackError, run_demo
+
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        if args.model != DEFAULT_STACK_MODEL:
+            raise ValueError(f"--model: {model} is not a model directory (no config.json)")
+        print(f"kvpool up: writing the tiny test model to {model}", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())",
+             "worker", "make-tiny-model", str(model)],
+            check=True,
+        )  # fmt: skip
+    stack = Stack(
+        model,
+        workers=args.workers,
+        engine=args.engine,
+        port=args.port,
+        policy=args.policy,
+        verbose=args.verbose,
+    )
+    try:
+        stack.start()
+        print(
+            f"kvpool up: router on {stack.url} (OpenAI API at {stack.url}/v1), "
+            f"{args.workers} {args.engine} worker(s): {' '.join(stack.worker_urls)}",
+            flush=True,
+        )
+        if args.demo:
+            run_demo(stack.url, model.resolve().name)
+            return 0
+        print("kvpool up: Ctrl-C stops the stack", flush=True)
+        stack.wait()
+    except KeyboardInterrupt:
+        return 130
+    except StackError as exc:
+        print(f"kvpool up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+    return 0
+
+
+DEFAULT_STACK_MODEL = ".cache/tiny-model"
 
 
 def configure_logging(verbose: bool) -> None:
@@ -139,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-seq", type=int, default=None, help="replay from this sequence first")
     p.add_argument("--count", type=int, default=0, help="stop after this many lines (0: never)")
     p.set_defaults(func=_cmd_listen)
+
+    p = sub.add_parser("up", help="run a router and N workers on loopback (Ctrl-C stops them)")
+    p.add_argument("--model", default=DEFAULT_STACK_MODEL, help="model directory (default: "
+                   "the tiny test model, written there if missing)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", choices=("kvpool", "sim"), default="kvpool")
+    p.add_argument("--port", type=int, default=8080, help="the router's port")
+    p.add_argument("--policy", default="kvpool")
+    p.add_argument("--demo", action="store_true", help="send the demo requests, then stop")
+    p.set_defaults(func=_cmd_up)
 
     for name, (_, _, text) in COMPONENTS.items():
         # Listed for --help; `main` hands these commands to the component before parsing.

@@ -331,3 +331,164 @@ def start_worker(
     yield start
     for w in running:
         w.stop()
+
+
+# -- the router ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProcess:
+    """A ``kvpool worker serve`` process (the simulated engine by default): a worker the test
+    can kill like a crashed pod."""
+
+    def __init__(self, model: Path, engine: str = "sim", **flags: Any) -> None:
+        import os
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+        flags.setdefault("num_blocks", 2048)
+        flags.setdefault("kv_events_endpoint", self.events)
+        flags.setdefault("kv_events_replay_endpoint", self.replay)
+        argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+        argv += ["worker", "serve", "--model", str(model), "--engine", engine]
+        argv += ["--port", str(self.port)]
+        for name, value in flags.items():
+            argv += ["--" + name.replace("_", "-"), str(value)]
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.url} exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.url} did not become healthy")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def worker_processes(llama_dir: Path) -> Iterator[Callable[..., list[WorkerProcess]]]:
+    """Start ``n`` worker processes (in parallel) and wait until all are healthy."""
+    started: list[WorkerProcess] = []
+
+    def start(n: int, **flags: Any) -> list[WorkerProcess]:
+        procs = [WorkerProcess(llama_dir, **flags) for _ in range(n)]
+        started.extend(procs)
+        for p in procs:
+            p.wait_healthy()
+        return procs
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+class RunningRouter:
+    """A router on 127.0.0.1 in a thread of the test process."""
+
+    def __init__(self, router: Any, server: Any) -> None:
+        self.router, self.server = router, server
+        self.thread = threading.Thread(target=server.run, name="test-router", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not (server.started and router.bound_port):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the router did not start")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{router.bound_port}"
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        rows = httpx.get(self.url + "/debug/workers", timeout=10).json()["workers"]
+        return {w["id"]: w for w in rows}
+
+    def route(self, body: dict[str, Any]) -> dict[str, Any]:
+        resp = httpx.post(self.url + "/debug/route", json=body, timeout=10)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not met in time")
+            time.sleep(0.02)
+
+    def wait_workers_up(self, n: int, timeout: float = 30.0) -> None:
+        self.wait_for(
+            lambda: sum(w["status"] == "up" for w in self.workers().values()) >= n, timeout
+        )
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def start_router(llama_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
+    """Start routers (settings as keywords; ``worker`` a list of specs)."""
+    from kvpool.router.server import Router, uvicorn_server
+    from kvpool.router.settings import RouterSettings
+
+    running: list[RunningRouter] = []
+
+    def start(**values: Any) -> RunningRouter:
+        values.setdefault("model", str(llama_dir))
+        values.setdefault("port", 0)
+        settings = RouterSettings(**values)
+        router = Router(settings)
+        running.append(RunningRouter(router, uvicorn_server(router)))
+        return running[-1]
+
+    yield start
+    for r in running:
+        r.stop()

@@ -22,15 +22,16 @@ import os
 import signal
 import subprocess
 import sys
-import types
-import typing
 from collections.abc import Sequence
 from typing import Any
 
 from kvpool.cli import configure_logging
+from kvpool.settings_cli import add_settings_arguments, build_settings, settings_values
 
 from .config import ModelLoadError
 from .tiny import ARCHITECTURES
+
+ENV_PREFIX = "KVPOOL_"
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
@@ -62,59 +63,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of :class:`WorkerSettings`; values are validated by the model."""
     from .settings import WorkerSettings
 
-    for name, info in WorkerSettings.model_fields.items():
-        if name in skip:
-            continue
-        flag = "--" + name.replace("_", "-")
-        kind = info.annotation
-        args = typing.get_args(kind)
-        if isinstance(kind, types.UnionType):
-            kind = next(a for a in args if a is not type(None))
-            args = typing.get_args(kind)
-        choices = list(args) if typing.get_origin(kind) is typing.Literal else None
-        default = info.default if info.default is not None else "unset"
-        parser.add_argument(
-            flag,
-            dest=name,
-            choices=choices,
-            default=argparse.SUPPRESS,
-            help=f"env KVPOOL_{name.upper()}; default {default}",
-        )
+    add_settings_arguments(parser, WorkerSettings, ENV_PREFIX, skip)
 
 
 def _settings_values(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Flags given, over ``KVPOOL_*`` variables set."""
     from .settings import WorkerSettings
 
-    values: dict[str, Any] = {}
-    for name in WorkerSettings.model_fields:
-        if name in skip:
-            continue
-        env = os.environ.get(f"KVPOOL_{name.upper()}")
-        if hasattr(args, name):
-            values[name] = getattr(args, name)
-        elif env is not None:
-            values[name] = env
-    return values
+    return settings_values(args, WorkerSettings, ENV_PREFIX, skip)
 
 
 def _settings(values: dict[str, Any]) -> Any:
-    from pydantic import ValidationError
-
     from .settings import WorkerSettings
 
-    try:
-        return WorkerSettings(**values)
-    except ValidationError as exc:
-        problems = "; ".join(
-            (f"{'.'.join(str(p) for p in e['loc'])}: " if e["loc"] else "")
-            + e["msg"].removeprefix("Value error, ")
-            for e in exc.errors(include_url=False)
-        )
-        raise ValueError(f"bad settings: {problems}") from None
+    return build_settings(WorkerSettings, values)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

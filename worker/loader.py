@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvpool import tokenization
+
 from .config import DTYPES, ModelConfig, ModelLoadError
 from .model import LlamaModel, Rotary
 
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -105,15 +106,9 @@ def load_model(
 
 
 def load_tokenizer(model_dir: str | Path):  # -> transformers.PreTrainedTokenizerBase
-    """The tokenizer and chat template stored beside the weights."""
-    model_dir = Path(model_dir)
-    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"{model_dir}: no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
-        )
-    from transformers import AutoTokenizer
-
+    """The tokenizer and chat template stored beside the weights (the router loads them
+    with the same function)."""
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{model_dir}: the tokenizer does not load ({exc})") from None
+        return tokenization.load_tokenizer(model_dir)
+    except tokenization.TokenizerError as exc:
+        raise ModelLoadError(str(exc)) from None

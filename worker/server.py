@@ -45,6 +45,7 @@ from kvpool.openai_api import (
     WorkerInfo,
     parse_request,
 )
+from kvpool.tokenization import render_chat
 
 from . import openai_format as fmt
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
@@ -667,23 +668,16 @@ class WorkerServer:
         continue_final_message: bool,
         kwargs: dict[str, Any] | None,
     ) -> list[int]:
-        tokenizer = self._tokenizer(engine)
-        for m in messages:
-            if isinstance(m.get("content"), list):
-                m["content"] = "".join(part["text"] for part in m["content"])
         try:
-            text = tokenizer.apply_chat_template(
+            return render_chat(
+                self._tokenizer(engine),
                 messages,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                **(kwargs or {}),
+                chat_template_kwargs=kwargs,
             )
-        except Exception as exc:  # a template raises whatever Jinja raises
-            raise OpenAIError(
-                400, f"messages: the chat template failed: {exc}", param="messages"
-            ) from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
 
     def _prepare(
         self,

@@ -1,0 +1,232 @@
+"""``kvpool up``: a router and N workers on loopback, as separate processes.
+
+The stack is made of the same commands a cluster runs (``kvpool worker serve``,
+``kvpool worker sim-fleet``, ``kvpool router serve``), so what works here works there; the
+core only starts processes, it imports no component. Ctrl-C (or SIGTERM) stops all of them,
+router first, so no request is sent to a worker that is gone.
+
+``--demo`` sends a few chat requests that share a long system prompt, prints for each the
+worker chosen, the cached prompt tokens and the time to first token, then the router's
+hit ratio, and stops the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Stack", "StackError", "free_port", "run_demo"]
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kvpool(*args: str) -> list[str]:
+    # PYTHONSAFEPATH (in the env below) keeps a checkout's operator/ off the import path.
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from kvpool.cli import main; sys.exit(main())",
+        *args,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Stack:
+    model: Path
+    workers: int = 2
+    engine: str = "kvpool"
+    port: int = 8080
+    policy: str = "kvpool"
+    num_blocks: int = 4096
+    verbose: bool = False
+    worker_urls: list[str] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> None:
+        if self.workers < 1:
+            raise StackError("--workers must be at least 1")
+        if not (self.model / "config.json").is_file():
+            raise StackError(f"{self.model} is not a model directory (no config.json)")
+        quiet = None if self.verbose else subprocess.DEVNULL
+        verbose = ["-v"] if self.verbose else []
+        if self.engine == "sim":  # one process hosts the whole simulated fleet
+            base, events = free_port(), free_port()
+            ports = list(range(base, base + self.workers))
+            self.procs.append(
+                subprocess.Popen(
+                    _kvpool(
+                        "worker", *verbose, "sim-fleet", "--model", str(self.model),
+                        "--count", str(self.workers), "--base-port", str(base),
+                        "--kv-events-base-port", str(events + 1000),
+                        "--num-blocks", str(self.num_blocks),
+                    ),
+                    env=_env(), stdout=quiet, stderr=None,
+                )
+            )  # fmt: skip
+        else:
+            ports = [free_port() for _ in range(self.workers)]
+            for port in ports:
+                pub, replay = free_port(), free_port()
+                self.procs.append(
+                    subprocess.Popen(
+                        _kvpool(
+                            "worker", *verbose, "serve", "--model", str(self.model),
+                            "--port", str(port), "--num-blocks", str(self.num_blocks),
+                            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+                            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+                        ),
+                        env=_env(), stdout=quiet, stderr=None,
+                    )
+                )  # fmt: skip
+        self.worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        self._wait(self.worker_urls, timeout, "workers")
+        args = ["router", *verbose, "serve", "--model", str(self.model), "--port", str(self.port)]
+        args += ["--policy", self.policy]
+        for url in self.worker_urls:
+            args += ["--worker", url]
+        self.procs.insert(0, subprocess.Popen(_kvpool(*args), env=_env(), stderr=None))
+        self._wait([self.url], timeout, "router")
+
+    def _wait(self, urls: list[str], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(urls)
+        while pending:
+            if any(p.poll() is not None for p in self.procs):
+                self.stop()
+                raise StackError(f"a process of the stack exited while the {what} started")
+            pending = [u for u in pending if not _healthy(u)]
+            if pending and time.monotonic() > deadline:
+                self.stop()
+                raise StackError(f"the {what} did not become healthy in {timeout:.0f} s")
+            if pending:
+                time.sleep(0.2)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for proc in self.procs:  # the router first: it stops sending before workers go
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=timeout)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def wait(self) -> None:
+        """Until Ctrl-C or a process of the stack exits."""
+        while all(p.poll() is None for p in self.procs):
+            time.sleep(0.5)
+        raise StackError("a process of the stack exited")
+
+
+DEMO_SYSTEM = (
+    "You are the support assistant of a company that runs large language model serving "
+    "fleets on Kubernetes. Answer briefly and precisely. The fleet has prefill and decode "
+    "workers, a router that sends each request to the worker holding the most of its "
+    "prompt's KV cache, and an operator that scales every role to meet its latency targets. "
+) * 4
+DEMO_QUESTIONS = (
+    "What does the router do?",
+    "How are workers scaled?",
+    "What is a prefix cache hit?",
+    "Why split prefill and decode?",
+    "How do I watch the fleet?",
+    "What happens when a worker dies?",
+)
+
+
+def run_demo(url: str, model: str, out: object = sys.stdout) -> dict[str, float]:
+    """Send the demo's chat requests through the router; print one line per request."""
+    import httpx
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)  # type: ignore[arg-type]
+
+    say(f"{'#':>2}  {'worker':<24} {'prompt':>6} {'cached':>6} {'TTFT ms':>8}  question")
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for i, question in enumerate(DEMO_QUESTIONS, 1):
+            body = {
+                "model": model,
+                "messages": [
+                    {"role": "system", "content": DEMO_SYSTEM},
+                    {"role": "user", "content": question},
+                ],
+                "max_tokens": 16,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            start = time.perf_counter()
+            ttft = None
+            usage: dict[str, object] = {}
+            with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise StackError(f"the router answered {resp.status_code}: {resp.text}")
+                worker = resp.headers.get("x-kvpool-worker", "?")
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for c in chunk.get("choices") or ():
+                        if ttft is None and (c.get("delta") or {}).get("content"):
+                            ttft = time.perf_counter() - start
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+            ttft_ms = "-" if ttft is None else f"{ttft * 1000:.0f}"
+            say(
+                f"{i:>2}  {worker:<24} {usage.get('prompt_tokens', 0):>6} {cached:>6} "
+                f"{ttft_ms:>8}  {question}"
+            )
+        metrics = client.get("/metrics").text
+    values = _counters(
+        metrics,
+        ("kvpool_router_cached_prompt_tokens_total", "kvpool_router_reported_prompt_tokens_total"),
+    )
+    cached, prompt = values
+    ratio = cached / prompt if prompt else 0.0
+    say(f"router hit ratio: {ratio:.1%} ({cached:.0f} of {prompt:.0f} prompt tokens from cache)")
+    return {"hit_ratio": ratio, "cached_tokens": cached, "prompt_tokens": prompt}
+
+
+def _counters(text: str, names: tuple[str, ...]) -> list[float]:
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return [values[n] for n in names]

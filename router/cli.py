@@ -1,0 +1,92 @@
+"""``kvpool router ...``: the KV-aware router's commands.
+
+* ``serve --model DIR --worker URL ...``: the OpenAI-compatible gateway in front of the
+  workers (``--discovery kubernetes`` finds them as pods instead);
+* ``route --router URL [--chat] TEXT``: ask a running router where a prompt would go and
+  why (its ``/debug/route``), without sending it.
+
+Every ``serve`` flag can also come from a ``KVPOOL_ROUTER_*`` variable (``--policy`` from
+``KVPOOL_ROUTER_POLICY``; ``--worker`` from ``KVPOOL_ROUTER_WORKER``, whitespace-separated);
+a flag wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvpool.cli import configure_logging
+from kvpool.settings_cli import add_settings_arguments, build_settings, settings_values
+
+from .settings import ENV_PREFIX, RouterSettings
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    settings = build_settings(RouterSettings, settings_values(args, RouterSettings, ENV_PREFIX))
+    serve(settings, log_level="debug" if args.verbose else "info")
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    import httpx
+
+    if args.chat:
+        body = {"messages": [{"role": "user", "content": args.text}]}
+    else:
+        body = {"prompt": args.text}
+    resp = httpx.post(args.router.rstrip("/") + "/debug/route", json=body, timeout=10)
+    if resp.status_code != 200:
+        print(resp.text, file=sys.stderr)
+        return 1
+    decision = resp.json()
+    if args.json:
+        print(json.dumps(decision, indent=2))
+        return 0
+    print(
+        f"-> {decision['worker']} ({decision['reason']}, policy {decision['policy']}): "
+        f"{decision['num_tokens']} tokens, {decision['cached_tokens']} cached"
+    )
+    for c in decision["candidates"]:
+        if c["filtered"]:
+            print(f"   {c['worker']}: filtered by {c['filtered']}")
+            continue
+        scores = " ".join(f"{k}={v:.2f}" for k, v in c["scores"].items())
+        ttft = c["predicted_ttft_s"]
+        print(
+            f"   {c['worker']}: cached {c['cached_tokens']}, queued {c['queued_tokens']}, "
+            f"in flight {c['in_flight']}, predicted TTFT "
+            f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'}, {scores}"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool router", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the router")
+    add_settings_arguments(p, RouterSettings, ENV_PREFIX)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("route", help="show where a running router would send a prompt")
+    p.add_argument("text", help="the prompt (or, with --chat, one user message)")
+    p.add_argument("--router", default="http://127.0.0.1:8080")
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the whole decision as JSON")
+    p.set_defaults(func=_cmd_route)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        parser.exit(2, f"kvpool router: error: {exc}\n")

@@ -1,0 +1,203 @@
+"""The router's Prometheus series, ``kvpool_router_*``.
+
+Latencies are measured at the router, so they include the hop and the queueing a client
+sees. Per-worker state (in flight, queued prefill tokens, indexed blocks, up, event
+counters) is read from the pool at scrape time, so a removed worker's series go with it.
+The cache hit ratio a dashboard shows is
+``rate(kvpool_router_cached_prompt_tokens_total[5m])`` over
+``rate(kvpool_router_reported_prompt_tokens_total[5m])``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .index import BlockIndex
+from .pool import WorkerState
+
+# The workers' (vLLM's) buckets, so router and worker latencies line up on one dashboard.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+#: the outcomes ``kvpool_router_requests_total`` counts
+OUTCOMES = (
+    "success",  # the worker's answer reached the client in full
+    "client_error",  # a 4xx from the router's checks or from the worker
+    "overloaded",  # 429: the router's concurrency bound, or every worker refused
+    "no_worker",  # 503: no worker could take it
+    "worker_error",  # workers failed before the first byte, attempts exhausted
+    "stream_error",  # a worker failed mid-stream: ended with an SSE error event
+    "timeout",  # the request timeout passed
+    "cancelled",  # the client went away
+)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, workers: Callable[[], list[WorkerState]], index: BlockIndex) -> None:
+        self.workers = workers
+        self.index = index
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "up": GaugeMetricFamily(
+                "kvpool_router_worker_up",
+                "1 while the worker is in rotation (healthy, registered, not draining).",
+                labels=["worker"],
+            ),
+            "compatible": GaugeMetricFamily(
+                "kvpool_router_worker_compatible",
+                "0 when the worker's block size, hash seed or model differ from the router's "
+                "(it gets no cache credit).",
+                labels=["worker"],
+            ),
+            "in_flight": GaugeMetricFamily(
+                "kvpool_router_worker_in_flight_requests",
+                "Requests the router has sent to the worker that have not finished.",
+                labels=["worker"],
+            ),
+            "queued": GaugeMetricFamily(
+                "kvpool_router_worker_queued_prefill_tokens",
+                "Uncached prompt tokens sent to the worker whose first token has not come back.",
+                labels=["worker"],
+            ),
+            "blocks": GaugeMetricFamily(
+                "kvpool_router_worker_indexed_blocks",
+                "KV blocks the index holds for the worker, from its events.",
+                labels=["worker"],
+            ),
+            "rate": GaugeMetricFamily(
+                "kvpool_router_worker_prefill_rate_tokens_per_second",
+                "The worker's prefill rate, learned from the TTFTs the router saw.",
+                labels=["worker"],
+            ),
+            "events": CounterMetricFamily(
+                "kvpool_router_kv_events",
+                "KV events received from the worker.",
+                labels=["worker"],
+            ),
+            "gaps": CounterMetricFamily(
+                "kvpool_router_kv_event_gaps",
+                "Sequence gaps in the worker's KV event stream.",
+                labels=["worker"],
+            ),
+            "resyncs": CounterMetricFamily(
+                "kvpool_router_kv_event_resyncs",
+                "Times the worker's index entries were dropped because events were lost.",
+                labels=["worker"],
+            ),
+        }
+        now = time.monotonic()
+        known = set(self.index.workers())
+        for s in self.workers():
+            w = [s.id]
+            families["up"].add_metric(w, 1.0 if s.routable else 0.0)
+            families["compatible"].add_metric(w, 1.0 if s.compatible else 0.0)
+            families["in_flight"].add_metric(w, s.in_flight)
+            families["queued"].add_metric(w, s.queued_tokens(now))
+            families["blocks"].add_metric(w, self.index.num_blocks(s.id) if s.id in known else 0)
+            families["rate"].add_metric(w, s.prefill.rate)
+            families["events"].add_metric(w, s.events_seen)
+            stats = s.subscriber.stats if s.subscriber is not None else None
+            families["gaps"].add_metric(w, stats.gaps if stats else 0)
+            families["resyncs"].add_metric(w, stats.resyncs if stats else 0)
+        yield from families.values()
+
+
+class RouterMetrics:
+    def __init__(self, workers: Callable[[], list[WorkerState]], index: BlockIndex) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvpool_router_requests",
+            "Requests by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.decisions = Counter(
+            "kvpool_router_routing_decisions",
+            "Routing decisions by chosen worker and reason (prefix, spill, load, single, or "
+            "the baseline policy's name).",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvpool_router_retries",
+            "Requests sent again to another worker before any byte reached the client.",
+            ["reason"],
+            registry=r,
+        )
+        self.mismatches = Counter(
+            "kvpool_router_worker_hash_mismatches",
+            "Registrations of a worker whose block size, hash seed or model differ from the "
+            "router's.",
+            ["worker"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvpool_router_time_to_first_token_seconds",
+            "Time from the request's arrival at the router to its first streamed token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvpool_router_inter_token_latency_seconds",
+            "Time between streamed chunks of a response, at the router.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvpool_router_e2e_request_latency_seconds",
+            "Time from the request's arrival at the router to the end of its response.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "kvpool_router_decision_latency_seconds",
+            "Time to tokenize, hash, look up and score one request.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvpool_router_prompt_tokens",
+            "Prompt tokens of routed requests.",
+            registry=r,
+        )
+        self.predicted_hit_tokens = Counter(
+            "kvpool_router_predicted_cache_hit_tokens",
+            "Prompt tokens the index said the chosen worker held.",
+            registry=r,
+        )
+        self.realised_hit_tokens = Counter(
+            "kvpool_router_cached_prompt_tokens",
+            "Prompt tokens the workers reported as served from their cache "
+            "(usage.prompt_tokens_details.cached_tokens).",
+            registry=r,
+        )
+        self.reported_prompt_tokens = Counter(
+            "kvpool_router_reported_prompt_tokens",
+            "Prompt tokens of the responses whose usage the workers reported (the "
+            "denominator of the realised hit ratio).",
+            registry=r,
+        )
+        self.event_lag = Histogram(
+            "kvpool_router_kv_event_lag_seconds",
+            "Time from a worker's event batch to its arrival in the index.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        r.register(_PoolCollector(workers, index))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,396 @@
+"""Which worker gets a request: a pipeline of filters, scorers and a picker (pure).
+
+Every piece is small and named, so a decision can be explained worker by worker
+(``/debug/route`` shows the table) and a policy is only a choice of pieces and weights:
+
+* **filters** drop workers that must not get the request (down, draining, wrong role,
+  another model, an open circuit breaker, a decode load far above the pool's);
+* **scorers** each give every remaining worker a number in [0, 1] (1 is best), weighted;
+* the **picker** takes the highest total, breaking ties at random, or ignores the scores
+  (round-robin, random) for the cache-blind baselines.
+
+The default policy, ``kvpool``, minimises the predicted time to first token: the prompt
+tokens a worker still has to prefill before this request (its queue) plus this request's
+uncached tokens, over the worker's prefill rate (learned from observed TTFTs), plus its
+fixed overhead. Cache is credit only through that prediction, so a worker that holds a hot
+prefix but has a long queue loses to one that must recompute it but is idle: the hot prefix
+spills to a second worker, which then caches it too. The decode-load guard keeps any one
+worker's in-flight requests near the pool's mean whatever the cache says.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "FILTERS",
+    "POLICIES",
+    "SCORERS",
+    "Candidate",
+    "Decision",
+    "Policy",
+    "PolicyConfig",
+    "PrefillModel",
+    "RouteRequest",
+    "WorkerView",
+]
+
+Role = Literal["both", "prefill", "decode"]
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PrefillModel:
+    """A worker's time to first token as ``overhead + tokens / rate``, learned online.
+
+    An exponentially weighted least-squares fit of observed TTFTs against the prompt
+    tokens the worker had to prefill for them (its queue at routing time plus the
+    request's uncached tokens). Until the observations spread enough to fit a slope, the
+    prior rate stands, so a fresh worker is neither feared nor favoured.
+    """
+
+    rate: float = 8000.0  # prompt tokens per second
+    overhead: float = 0.03  # seconds
+    decay: float = 0.05  # weight of each new observation
+    _n: float = 0.0
+    _mx: float = 0.0
+    _my: float = 0.0
+    _vxx: float = 0.0
+    _vxy: float = 0.0
+
+    def predict(self, tokens: float) -> float:
+        return self.overhead + tokens / self.rate
+
+    def observe(self, tokens: float, ttft: float) -> None:
+        if ttft <= 0 or tokens < 0:
+            return
+        a = self.decay if self._n >= 1 / self.decay else 1 / (self._n + 1)
+        self._n += 1
+        dx, dy = tokens - self._mx, ttft - self._my
+        self._mx += a * dx
+        self._my += a * dy
+        self._vxx = (1 - a) * (self._vxx + a * dx * dx)
+        self._vxy = (1 - a) * (self._vxy + a * dx * dy)
+        # A slope needs prompts of different sizes: at least ~64 tokens of spread.
+        if self._n >= 4 and self._vxx > 64.0**2:
+            slope = self._vxy / self._vxx
+            if slope > 0:
+                self.rate = min(max(1 / slope, 50.0), 5e6)
+        self.overhead = min(max(self._my - self._mx / self.rate, 0.0), 10.0)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What the policy knows of one worker at decision time (a snapshot, no I/O)."""
+
+    id: str
+    role: Role = "both"
+    model: str | None = None
+    healthy: bool = True
+    draining: bool = False
+    breaker_open: bool = False
+    compatible: bool = True  # same block size, hash seed and model: its blocks are credit
+    in_flight: int = 0  # requests this router has sent it that have not finished
+    queued_tokens: int = 0  # prompt tokens sent to it whose first token has not come back
+    kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
+    waiting: int | None = None  # scraped vllm:num_requests_waiting
+    prefill: PrefillModel = field(default_factory=PrefillModel)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    num_tokens: int
+    block_size: int
+    matched_blocks: dict[str, int]  # worker -> leading blocks of the prompt it holds
+    model: str | None = None
+    roles: tuple[Role, ...] = ("both", "decode")
+
+    def cached_tokens(self, worker: WorkerView) -> int:
+        if not worker.compatible:
+            return 0
+        # The last token is always computed, so a fully cached prompt still prefills one.
+        hit = self.matched_blocks.get(worker.id, 0) * self.block_size
+        return min(hit, max(self.num_tokens - 1, 0))
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One worker's line in a decision's explanation."""
+
+    worker: str
+    filtered: str | None = None  # the filter that dropped it
+    cached_tokens: int = 0
+    queued_tokens: int = 0
+    in_flight: int = 0
+    kv_usage: float | None = None
+    predicted_ttft_s: float | None = None
+    scores: dict[str, float] = field(default_factory=dict)  # scorer -> score in [0, 1]
+    total: float | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    worker: str | None  # None: no worker can take it
+    reason: str  # a bounded label: prefix, spill, load, single, round-robin, ... no_worker
+    policy: str
+    candidates: list[Candidate]
+    cached_tokens: int = 0
+    predicted_ttft_s: float | None = None
+
+    def explain(self) -> str:
+        """``w1: cached 512, queue 0, ttft 41ms, ttft 1.00x1 load 0.80x0.1 = 1.080``..."""
+        parts = []
+        for c in self.candidates:
+            if c.filtered:
+                parts.append(f"{c.worker}: filtered ({c.filtered})")
+                continue
+            scores = " ".join(f"{k} {v:.2f}" for k, v in c.scores.items())
+            total = "" if c.total is None else f" = {c.total:.3f}"
+            parts.append(
+                f"{c.worker}: cached {c.cached_tokens}, queue {c.queued_tokens}, {scores}{total}"
+            )
+        return f"{self.worker} ({self.reason}); " + "; ".join(parts)
+
+
+# -- filters: (request, workers) -> the workers that may take it, with why the others not --
+
+Filter = Callable[[RouteRequest, list[WorkerView], "PolicyConfig"], dict[str, str]]
+
+
+def _healthy(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    out = {}
+    for w in workers:
+        if not w.healthy:
+            out[w.id] = "unhealthy"
+        elif w.draining:
+            out[w.id] = "draining"
+        elif w.breaker_open:
+            out[w.id] = "circuit_open"
+    return out
+
+
+def _role(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    return {w.id: f"role {w.role}" for w in workers if w.role not in req.roles}
+
+
+def _model(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    if req.model is None:
+        return {}
+    return {w.id: f"serves {w.model}" for w in workers if w.model not in (None, req.model)}
+
+
+def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    """Keep each worker's in-flight requests within ``guard_ratio`` of the pool's mean (plus
+    ``guard_slack``) and its KV cache below ``guard_kv_usage``: past those, decoding slows
+    everyone on it, whatever the cache saves. Never drops every worker."""
+    if len(workers) < 2:
+        return {}
+    mean = sum(w.in_flight for w in workers) / len(workers)
+    limit = cfg.guard_ratio * mean + cfg.guard_slack
+    out = {}
+    for w in workers:
+        if w.in_flight + 1 > limit:
+            out[w.id] = f"in_flight {w.in_flight} over {limit:.1f}"
+        elif w.kv_usage is not None and w.kv_usage >= cfg.guard_kv_usage:
+            out[w.id] = f"kv_usage {w.kv_usage:.2f}"
+    if len(out) == len(workers):
+        return {}
+    return out
+
+
+FILTERS: dict[str, Filter] = {
+    "healthy": _healthy,
+    "role": _role,
+    "model": _model,
+    "decode-load": _decode_load,
+}
+
+
+# -- scorers: (request, workers) -> score in [0, 1] per worker ----------------------------
+
+Scorer = Callable[[RouteRequest, list[WorkerView]], dict[str, float]]
+
+
+def predicted_ttft(req: RouteRequest, w: WorkerView) -> float:
+    return w.prefill.predict(w.queued_tokens + req.num_tokens - req.cached_tokens(w))
+
+
+def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    """The best predicted TTFT over each worker's: 1 for the fastest, 0.5 for twice as slow."""
+    ttft = {w.id: predicted_ttft(req, w) for w in workers}
+    best = min(ttft.values())
+    return {k: best / v if v > 0 else 1.0 for k, v in ttft.items()}
+
+
+def _prefix_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    total = max(req.num_tokens - 1, 1)
+    return {w.id: req.cached_tokens(w) / total for w in workers}
+
+
+def _in_flight_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    most = max(w.in_flight for w in workers)
+    return {w.id: 1.0 - w.in_flight / (most + 1) for w in workers}
+
+
+def _kv_usage_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    return {w.id: 1.0 - min(max(w.kv_usage or 0.0, 0.0), 1.0) for w in workers}
+
+
+def _queue_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    most = max(w.queued_tokens for w in workers)
+    return {w.id: 1.0 - w.queued_tokens / (most + 1) for w in workers}
+
+
+SCORERS: dict[str, Scorer] = {
+    "ttft": _ttft_score,
+    "prefix": _prefix_score,
+    "in-flight": _in_flight_score,
+    "kv-usage": _kv_usage_score,
+    "queue": _queue_score,
+}
+
+
+# -- policies ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str = "kvpool"
+    filters: tuple[str, ...] = ("healthy", "role", "model", "decode-load")
+    scorers: tuple[tuple[str, float], ...] = (("ttft", 1.0), ("kv-usage", 0.1))
+    picker: Literal["max", "round-robin", "random"] = "max"
+    guard_ratio: float = 1.25
+    guard_slack: float = 2.0
+    guard_kv_usage: float = 0.97
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.filters if f not in FILTERS]
+        unknown += [s for s, _ in self.scorers if s not in SCORERS]
+        if unknown:
+            raise ValueError(
+                f"unknown policy pieces {unknown}: filters are {sorted(FILTERS)}, "
+                f"scorers are {sorted(SCORERS)}"
+            )
+        if any(weight < 0 for _, weight in self.scorers):
+            raise ValueError("scorer weights must not be negative")
+        if self.picker == "max" and not self.scorers:
+            raise ValueError("the max picker needs at least one scorer")
+
+
+_BASIC = ("healthy", "role", "model")
+
+#: the named policies; ``kvpool`` is the default, the others are baselines
+POLICIES: dict[str, PolicyConfig] = {
+    "kvpool": PolicyConfig(),
+    "round-robin": PolicyConfig("round-robin", _BASIC, (), "round-robin"),
+    "random": PolicyConfig("random", _BASIC, (), "random"),
+    "least-loaded": PolicyConfig("least-loaded", _BASIC, (("in-flight", 1.0),)),
+    "prefix-only": PolicyConfig("prefix-only", _BASIC, (("prefix", 1.0),)),
+}
+
+
+#: the cache-blind or load-blind policies kept for comparison
+BASELINES = frozenset(POLICIES) - {"kvpool"}
+
+
+class Policy:
+    """A policy's pieces put together. :meth:`decide` is pure but for the picker's random
+    tie-breaks and the round-robin position (seed ``rng`` for repeatable decisions)."""
+
+    def __init__(self, config: PolicyConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self._filters = [(name, FILTERS[name]) for name in config.filters]
+        self._scorers = [(name, SCORERS[name], weight) for name, weight in config.scorers]
+        self._rng = rng or random.Random()
+        self._next = 0
+
+    @classmethod
+    def named(cls, name: str, rng: random.Random | None = None, **overrides: object) -> Policy:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
+        base = POLICIES[name]
+        if overrides:
+            from dataclasses import replace
+
+            base = replace(base, **overrides)  # type: ignore[arg-type]
+        return cls(base, rng)
+
+    def decide(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        cfg = self.config
+        rows = {
+            w.id: Candidate(
+                worker=w.id,
+                cached_tokens=req.cached_tokens(w),
+                queued_tokens=w.queued_tokens,
+                in_flight=w.in_flight,
+                kv_usage=w.kv_usage,
+                predicted_ttft_s=predicted_ttft(req, w),
+            )
+            for w in workers
+        }
+        alive = list(workers)
+        for name, check in self._filters:
+            dropped = check(req, alive, cfg)
+            for wid, why in dropped.items():
+                rows[wid].filtered = f"{name}: {why}"
+            alive = [w for w in alive if w.id not in dropped]
+            if not alive:
+                return Decision(None, "no_worker", cfg.name, list(rows.values()))
+        chosen = self._pick(req, alive, rows)
+        row = rows[chosen.id]
+        return Decision(
+            chosen.id,
+            self._reason(req, chosen, alive, workers),
+            cfg.name,
+            list(rows.values()),
+            cached_tokens=row.cached_tokens,
+            predicted_ttft_s=row.predicted_ttft_s,
+        )
+
+    def _pick(
+        self, req: RouteRequest, alive: list[WorkerView], rows: dict[str, Candidate]
+    ) -> WorkerView:
+        picker = self.config.picker
+        if picker == "round-robin":
+            ordered = sorted(alive, key=lambda w: w.id)
+            chosen = ordered[self._next % len(ordered)]
+            self._next += 1
+            return chosen
+        if picker == "random":
+            return self._rng.choice(alive)
+        totals = {w.id: 0.0 for w in alive}
+        for name, scorer, weight in self._scorers:
+            for wid, score in scorer(req, alive).items():
+                rows[wid].scores[name] = score
+                totals[wid] += weight * score
+        for wid, total in totals.items():
+            rows[wid].total = total
+        best = max(totals.values())
+        tied = [w for w in alive if totals[w.id] >= best - 1e-9]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def _reason(
+        self,
+        req: RouteRequest,
+        chosen: WorkerView,
+        alive: list[WorkerView],
+        workers: Sequence[WorkerView],
+    ) -> str:
+        if self.config.name in BASELINES:
+            return self.config.name  # a baseline's choice has one reason: its rule
+        if len(alive) == 1:
+            return "single"
+        cached = req.cached_tokens(chosen)
+        best_anywhere = max(
+            (req.cached_tokens(w) for w in workers if w.healthy and not w.draining), default=0
+        )
+        if best_anywhere == 0:
+            return "load"  # nobody holds any of it: the least busy worker wins
+        if cached >= best_anywhere:
+            return "prefix"
+        return "spill"  # a worker with more of the prefix was too busy

@@ -1,0 +1,817 @@
+"""The router's HTTP face: an OpenAI-compatible gateway in front of the workers.
+
+Per request: validate the body (the same models as the workers, so the same 400s),
+tokenize and hash the prompt, look the chain up in the block index, let the policy pick a
+worker, claim the worker's load, and proxy. A connection error, a 5xx or a 429 before the
+first byte reaches the client sends the request to another worker (bounded attempts, with
+backoff); once a stream has begun, a worker failure ends it with an SSE error event and
+``[DONE]``, never a hang. The body the client sent is forwarded as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool import __version__
+from kvpool.hashing import BlockHasher
+from kvpool.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+from kvpool.tokenization import encode_prompt, load_tokenizer, render_chat
+
+from .discovery import StaticDiscovery, WorkerEndpoint
+from .index import BlockIndex
+from .metrics import RouterMetrics
+from .policy import Decision, Policy, RouteRequest
+from .pool import PoolConfig, Ticket, WorkerPool, WorkerState
+from .settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+#: prompts up to this many characters are tokenized on the event loop (a thread hop costs
+#: more than tokenizing them); longer ones in a thread
+INLINE_TOKENIZE_CHARS = 4000
+#: response headers passed back from the worker
+PASSED_HEADERS = ("content-type", "retry-after")
+
+
+@dataclass
+class Routed:
+    """A request, tokenized and hashed, ready for the policy."""
+
+    request_id: str
+    kind: str  # completion or chat
+    path: str
+    body: bytes
+    model: str | None
+    stream: bool
+    num_tokens: int
+    keys: list[int]
+
+
+class _Failed(Exception):
+    """A worker failed this attempt before any byte reached the client."""
+
+    def __init__(self, reason: str, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+
+class Router:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        discovery: Any | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = s = settings
+        self.hasher = BlockHasher(block_size=s.block_size, hash_seed=s.hash_seed)
+        self.policy = Policy(s.policy_config())
+        self.index = BlockIndex(
+            speculative_ttl=s.speculative_ttl_s,
+            approx_ttl=s.approx_ttl_s,
+            approx_capacity_blocks=s.approx_capacity_blocks,
+        )
+        self.discovery = discovery
+        self._transport = transport
+        self.tokenizer: Any = None
+        self.client: httpx.AsyncClient | None = None
+        self.pool: WorkerPool | None = None
+        self.metrics: RouterMetrics | None = None
+        self.active = 0
+        self.draining = False
+        self.bound_port: int | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
+        self.client = httpx.AsyncClient(
+            transport=self._transport,
+            timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+        pool_config = PoolConfig(
+            block_size=s.block_size,
+            hash_seed=s.hash_seed,
+            served_model_name=s.served_model_name,
+            health_interval_s=s.health_interval_s,
+            health_timeout_s=s.health_timeout_s,
+            scrape_interval_s=s.scrape_interval_s,
+            breaker_failures=s.breaker_failures,
+            breaker_cooldown_s=s.breaker_cooldown_s,
+        )
+        self.pool = WorkerPool(
+            pool_config,
+            self.index,
+            self.client,
+            on_event_batch=self._on_event_batch,
+            on_mismatch=lambda w: self._metrics().mismatches.labels(w.id).inc(),
+        )
+        self.metrics = RouterMetrics(lambda: list(self._pool().workers.values()), self.index)
+        if self.discovery is None:
+            if s.discovery == "kubernetes":
+                from .discovery import KubernetesDiscovery
+
+                self.discovery = KubernetesDiscovery(
+                    s.namespace,
+                    s.selector,
+                    int(s.worker_port) if s.worker_port.isdigit() else s.worker_port,
+                    role_label=s.role_label,
+                )
+            else:
+                self.discovery = StaticDiscovery(s.static_workers())
+        self._discovery_task = asyncio.create_task(self._discover())
+        log.info("router ready: policy %s, %s", s.policy, self.hasher.fingerprint)
+
+    async def _discover(self) -> None:
+        def on_change(endpoints: list[WorkerEndpoint]) -> None:
+            self._pool().set_endpoints(endpoints)
+
+        try:
+            await self.discovery.run(on_change)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("worker discovery failed; the workers known so far stay")
+
+    async def shutdown(self) -> None:
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._discovery_task
+        if self.pool is not None:
+            await self.pool.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _pool(self) -> WorkerPool:
+        if self.pool is None:
+            raise OpenAIError(503, "the router is starting", type="service_unavailable")
+        return self.pool
+
+    def _metrics(self) -> RouterMetrics:
+        assert self.metrics is not None
+        return self.metrics
+
+    def _on_event_batch(self, state: WorkerState, lag: float | None) -> None:
+        if lag is not None and self.metrics is not None:
+            self.metrics.event_lag.observe(max(lag, 0.0))
+
+    # -- app ------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.start()
+            yield
+            await self.shutdown()
+
+        app = FastAPI(title="kvpool router", version=__version__, lifespan=lifespan)
+        app.state.router = self
+
+        @app.exception_handler(OpenAIError)
+        async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            err = OpenAIError(
+                exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind
+            )
+            return JSONResponse(err.body(), status_code=exc.status_code)
+
+        @app.exception_handler(Exception)
+        async def _bug(request: Request, exc: Exception) -> JSONResponse:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+            err = OpenAIError(
+                500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"
+            )
+            return JSONResponse(err.body(), status_code=500)
+
+        app.add_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_route("/v1/models", self.models, methods=["GET"])
+        app.add_route("/health", self.health, methods=["GET"])
+        app.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
+        app.add_route("/debug/route", self.debug_route, methods=["POST"])
+        app.add_route("/debug/workers", self.debug_workers, methods=["GET"])
+        app.add_route("/debug/index", self.debug_index, methods=["GET"])
+        return app
+
+    # -- small endpoints ------------------------------------------------------------------
+
+    async def health(self, request: Request) -> JSONResponse:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        up = len(self._pool().routable())
+        body = {"status": "ok" if up else "no_workers", "workers_up": up}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "kvpool"}
+            for m in sorted(self._pool().models())
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self._metrics().render(), media_type="text/plain; version=0.0.4")
+
+    async def debug_workers(self, request: Request) -> JSONResponse:
+        now = time.monotonic()
+        known = set(self.index.workers())
+        rows = []
+        for s in self._pool().workers.values():
+            rows.append(
+                {
+                    "id": s.id,
+                    "url": s.url,
+                    "role": s.endpoint.role,
+                    "status": s.status,
+                    "draining": s.endpoint.draining,
+                    "model": s.model,
+                    "compatible": s.compatible,
+                    "mismatch": s.mismatch,
+                    "in_flight": s.in_flight,
+                    "queued_prefill_tokens": s.queued_tokens(now),
+                    "prefill_rate_tokens_per_s": round(s.prefill.rate, 1),
+                    "prefill_overhead_s": round(s.prefill.overhead, 4),
+                    "kv_usage": s.kv_usage,
+                    "waiting": s.waiting,
+                    "running": s.running,
+                    "circuit_open": s.breaker.is_open(now),
+                    "kv_events": s.subscriber.endpoint if s.subscriber else None,
+                    "events_seen": s.events_seen,
+                    "indexed_blocks": self.index.num_blocks(s.id) if s.id in known else 0,
+                }
+            )
+        return JSONResponse({"workers": rows})
+
+    async def debug_index(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.index.summary())
+
+    async def debug_route(self, request: Request) -> JSONResponse:
+        """A dry run: what the policy would do with this body (a completion or a chat
+        request), every worker's line included. Nothing is claimed or sent."""
+        body = await self._body(request)
+        kind = "chat" if b'"messages"' in body else "completion"
+        routed = await self._parse(request, body, kind, check_model=False)
+        decision = self._decide(routed, exclude=set())
+        return JSONResponse(
+            {
+                "worker": decision.worker,
+                "reason": decision.reason,
+                "policy": decision.policy,
+                "num_tokens": routed.num_tokens,
+                "num_blocks": len(routed.keys),
+                "cached_tokens": decision.cached_tokens,
+                "predicted_ttft_s": decision.predicted_ttft_s,
+                "candidates": [asdict(c) for c in decision.candidates],
+                "explanation": decision.explain(),
+            }
+        )
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        arrival = time.monotonic()
+        metrics = self._metrics()
+        if self.draining:
+            metrics.requests.labels("no_worker").inc()
+            raise OpenAIError(
+                503, "the router is shutting down", type="service_unavailable", code="draining"
+            )
+        if self.active >= self.settings.max_concurrency:
+            metrics.requests.labels("overloaded").inc()
+            raise OpenAIError(
+                429,
+                f"the router has {self.active} requests in flight, its limit",
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+        self.active += 1
+        handed_over = False
+        try:
+            try:
+                body = await self._body(request)
+                routed = await self._parse(request, body, kind, check_model=True)
+            except OpenAIError:
+                metrics.requests.labels("client_error").inc()
+                raise
+            deadline = arrival + self.settings.request_timeout_s
+            response = await self._proxy(routed, arrival, deadline)
+            handed_over = isinstance(response, _RelayResponse)
+            return response
+        finally:
+            if not handed_over:
+                self.active -= 1
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        size = int(declared) if declared is not None and declared.isdigit() else 0
+        body = bytearray()
+        if size <= limit:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    size = len(body)
+                    break
+        if size > limit or len(body) > limit:
+            raise OpenAIError(
+                413,
+                f"the request body has at least {max(size, len(body))} bytes; the limit is {limit}",
+                code="request_too_large",
+            )
+        return bytes(body)
+
+    async def _parse(
+        self, request: Request, body: bytes, kind: str, *, check_model: bool
+    ) -> Routed:
+        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = parse_request(model_cls, body)
+        bad = req.unsupported()
+        if bad is not None:
+            raise OpenAIError(400, f"{bad[0]}: {bad[1]}", code="unsupported", param=bad[0])
+        if req.kv_transfer_params is not None:
+            raise OpenAIError(
+                400,
+                "kv_transfer_params: set by the router for the prefill/decode hand-off, "
+                "not by clients",
+                param="kv_transfer_params",
+            )
+        if check_model and req.model is not None:
+            served = self._pool().models() | {self.settings.model_name}
+            if req.model not in served and req.model != self.settings.model:
+                raise OpenAIError(
+                    404,
+                    f"the model {req.model!r} does not exist here; served: {sorted(served)}",
+                    type="not_found_error",
+                    code="model_not_found",
+                    param="model",
+                )
+        tokens = await self._tokenize(req)
+        keys = self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
+        return Routed(
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            kind=kind,
+            path="/v1/chat/completions" if kind == "chat" else "/v1/completions",
+            body=body,
+            model=req.model,
+            stream=bool(req.stream),
+            num_tokens=len(tokens),
+            keys=keys,
+        )
+
+    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+
+            def render() -> list[int]:
+                return render_chat(
+                    self.tokenizer,
+                    messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                )
+
+            try:
+                return await asyncio.to_thread(render)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="messages") from None
+        prompts = req.prompts()
+        if not prompts:
+            raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+        # A batch of prompts goes to one worker: it is routed by its first prompt.
+        first = prompts[0]
+        if len(first) <= INLINE_TOKENIZE_CHARS:
+            return encode_prompt(self.tokenizer, first)
+        return await asyncio.to_thread(encode_prompt, self.tokenizer, first)
+
+    def _decide(self, routed: Routed, exclude: set[str]) -> Decision:
+        pool = self._pool()
+        views = [v for v in pool.views() if v.id not in exclude]
+        req = RouteRequest(
+            num_tokens=routed.num_tokens,
+            block_size=self.settings.block_size,
+            matched_blocks=self.index.match(routed.keys),
+            model=routed.model if routed.model != self.settings.model else None,
+        )
+        return self.policy.decide(req, views)
+
+    async def _proxy(self, routed: Routed, arrival: float, deadline: float) -> Response:
+        s = self.settings
+        metrics = self._metrics()
+        pool = self._pool()
+        tried: set[str] = set()
+        failures: list[str] = []
+        last: _Failed | None = None
+        for attempt in range(s.max_attempts):
+            if attempt:
+                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
+            t0 = time.perf_counter()
+            decision = self._decide(routed, tried)
+            metrics.decision_latency.observe(time.perf_counter() - t0)
+            if decision.worker is None:
+                break
+            state = pool.workers[decision.worker]
+            metrics.decisions.labels(state.id, decision.reason).inc()
+            if attempt == 0:
+                metrics.prompt_tokens.inc(routed.num_tokens)
+                metrics.predicted_hit_tokens.inc(decision.cached_tokens)
+            log.debug("request %s: %s", routed.request_id, decision.explain())
+            self.index.speculate(state.id, routed.keys)
+            now = time.monotonic()
+            ticket = state.begin(
+                routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
+            )
+            state.breaker.on_attempt(now)
+            tried.add(state.id)
+            try:
+                resp = await self._send(state, routed, deadline)
+            except _Failed as exc:
+                state.end(ticket)
+                last = exc
+                failures.append(f"{state.id}: {exc}")
+                metrics.retries.labels(exc.reason).inc()
+                continue
+            return await self._respond(state, ticket, routed, resp, arrival, deadline)
+        if last is None:
+            metrics.requests.labels("no_worker").inc()
+            raise OpenAIError(
+                503,
+                "no worker can take this request now"
+                + (f" (tried: {'; '.join(failures)})" if failures else ""),
+                type="service_unavailable",
+                code="no_worker",
+                headers={"Retry-After": "1"},
+            )
+        outcome = {"overloaded": "overloaded", "timeout": "timeout"}.get(
+            last.reason, "worker_error"
+        )
+        metrics.requests.labels(outcome).inc()
+        raise OpenAIError(
+            last.status,
+            f"the request failed on {len(failures)} worker(s): {'; '.join(failures)}",
+            type="rate_limit_error" if last.status == 429 else "server_error",
+            code={"overloaded": "workers_overloaded", "timeout": "timeout"}.get(
+                last.reason, "worker_unavailable"
+            ),
+            headers={"Retry-After": "1"} if last.status in (429, 503) else None,
+        )
+
+    async def _send(self, state: WorkerState, routed: Routed, deadline: float) -> httpx.Response:
+        """The worker's response with its headers read, or :class:`_Failed` if this worker
+        cannot answer it (and another may)."""
+        assert self.client is not None
+        pool = self._pool()
+        now = time.monotonic()
+        request = self.client.build_request(
+            "POST",
+            state.url + routed.path,
+            content=routed.body,
+            headers={"content-type": "application/json", "x-request-id": routed.request_id},
+        )
+        try:
+            async with asyncio.timeout(max(deadline - now, 0.001)):
+                resp = await self.client.send(request, stream=True)
+        except TimeoutError:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("timeout", "no answer before the request timeout", 504) from None
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            state.breaker.on_failure(time.monotonic())
+            pool.mark_down(state, f"connection failed: {exc}")
+            raise _Failed("connect", f"connection failed ({exc})") from None
+        except (httpx.HTTPError, OSError) as exc:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code < 500 and resp.status_code != 429:
+            return resp
+        # Retried elsewhere: the worker said nothing the client has seen yet.
+        text = ""
+        with contextlib.suppress(httpx.HTTPError, OSError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                text = (await resp.aread()).decode(errors="replace")[:300]
+        await resp.aclose()
+        if resp.status_code == 429:
+            raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
+        state.breaker.on_failure(time.monotonic())
+        raise _Failed("5xx", f"{resp.status_code} {_error_message(text)}")
+
+    async def _respond(
+        self,
+        state: WorkerState,
+        ticket: Ticket,
+        routed: Routed,
+        resp: httpx.Response,
+        arrival: float,
+        deadline: float,
+    ) -> Response:
+        headers = {k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None}
+        headers["x-request-id"] = routed.request_id
+        headers["x-kvpool-worker"] = state.id
+        if routed.stream and resp.status_code == 200:
+            return _RelayResponse(
+                self._relay(state, ticket, routed, resp, arrival, deadline), headers
+            )
+        metrics = self._metrics()
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                content = await resp.aread()
+        except TimeoutError:
+            metrics.requests.labels("timeout").inc()
+            state.breaker.on_failure(time.monotonic())
+            raise OpenAIError(
+                504,
+                f"worker {state.id} did not answer before the request timeout",
+                type="server_error",
+                code="timeout",
+            ) from None
+        except (httpx.HTTPError, OSError) as exc:
+            metrics.requests.labels("worker_error").inc()
+            state.breaker.on_failure(time.monotonic())
+            raise OpenAIError(
+                502,
+                f"worker {state.id} failed while answering: {type(exc).__name__}: {exc}",
+                type="server_error",
+                code="worker_failed",
+            ) from None
+        finally:
+            await resp.aclose()
+            state.end(ticket)
+        ok = resp.status_code < 400
+        metrics.requests.labels("success" if ok else "client_error").inc()
+        if ok:
+            state.breaker.on_success()
+            metrics.e2e.observe(time.monotonic() - arrival)
+            self._count_usage(content)
+        return Response(content, status_code=resp.status_code, headers=headers)
+
+    def _count_usage(self, payload: bytes) -> None:
+        try:
+            usage = json.loads(payload).get("usage") or {}
+        except (ValueError, AttributeError):
+            return
+        self._observe_usage(usage)
+
+    def _observe_usage(self, usage: dict[str, Any]) -> None:
+        metrics = self._metrics()
+        prompt = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        if isinstance(prompt, int) and isinstance(cached, int):
+            metrics.reported_prompt_tokens.inc(prompt)
+            metrics.realised_hit_tokens.inc(cached)
+
+    def _relay(
+        self,
+        state: WorkerState,
+        ticket: Ticket,
+        routed: Routed,
+        resp: httpx.Response,
+        arrival: float,
+        deadline: float,
+    ) -> _Relay:
+        return _Relay(self, state, ticket, routed, resp, arrival, deadline)
+
+
+class _Relay:
+    """The worker's SSE stream passed on as it arrives, with the router's TTFT and
+    inter-token latencies taken from it; a failure mid-stream ends it with an error event.
+    :meth:`close` releases the worker and the router's slot exactly once, whether the
+    stream ended, failed, or never started because the client had already gone."""
+
+    def __init__(
+        self,
+        router: Router,
+        state: WorkerState,
+        ticket: Ticket,
+        routed: Routed,
+        resp: httpx.Response,
+        arrival: float,
+        deadline: float,
+    ) -> None:
+        self.router = router
+        self.state = state
+        self.ticket = ticket
+        self.routed = routed
+        self.resp = resp
+        self.arrival = arrival
+        self.deadline = deadline
+        self.outcome = "cancelled"
+        self.closed = False
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(BaseException):
+            await self.resp.aclose()
+        self.state.end(self.ticket)
+        self.router.active -= 1
+        metrics = self.router._metrics()
+        metrics.requests.labels(self.outcome).inc()
+        if self.outcome == "success":
+            metrics.e2e.observe(time.monotonic() - self.arrival)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        router, state = self.router, self.state
+        metrics = router._metrics()
+        events = _SSEWatch()
+        last_token: float | None = None
+        try:
+            chunks = self.resp.aiter_raw()
+            while True:
+                try:
+                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.001)):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                now = time.monotonic()
+                for kind, payload in events.feed(chunk):
+                    if kind == "token":
+                        if last_token is None:
+                            metrics.ttft.observe(now - self.arrival)
+                            state.first_token(self.ticket, now)
+                        else:
+                            metrics.itl.observe(now - last_token)
+                        last_token = now
+                    elif kind == "usage":
+                        router._observe_usage(payload)
+                yield chunk
+            if not events.done:  # the worker closed the stream without [DONE]
+                self.outcome = "stream_error"
+                state.breaker.on_failure(time.monotonic())
+                yield _sse_error(f"worker {state.id} ended the stream early", "worker_failed")
+            else:
+                self.outcome = "stream_error" if events.error else "success"
+                state.breaker.on_success()
+        except TimeoutError:
+            self.outcome = "timeout"
+            yield _sse_error(
+                f"the request timeout ({router.settings.request_timeout_s:g} s) passed", "timeout"
+            )
+        except (httpx.HTTPError, OSError) as exc:
+            self.outcome = "stream_error"
+            state.breaker.on_failure(time.monotonic())
+            log.warning(
+                "request %s: worker %s failed mid-stream: %s", self.routed.request_id, state.id, exc
+            )
+            yield _sse_error(
+                f"worker {state.id} failed mid-stream: {type(exc).__name__}", "worker_failed"
+            )
+        finally:
+            await self.close()
+
+
+class _RelayResponse(StreamingResponse):
+    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.stream(), headers=headers, media_type="text/event-stream")
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.close()
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    err = OpenAIError(502, message, type="server_error", code=code)
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _error_message(text: str) -> str:
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return str(json.loads(text)["error"]["message"])
+    return text
+
+
+class _SSEWatch:
+    """Reads an SSE stream as it passes, to see its first token, its usage and its end,
+    without holding it back. Events are parsed only until the first token (later ones are
+    only counted), except a final usage chunk."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.seen_token = False
+        self.done = False
+        self.error = False
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[str, Any]]:
+        self.buffer += chunk
+        while True:
+            end = self.buffer.find(b"\n\n")
+            if end < 0:
+                return
+            event, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
+            yield from self._event(event)
+
+    def _event(self, event: bytes) -> Iterator[tuple[str, Any]]:
+        data = b"\n".join(
+            line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
+        )
+        if not data:
+            return
+        if data == b"[DONE]":
+            self.done = True
+            return
+        if self.seen_token and b'"usage"' not in data and b'"error"' not in data:
+            yield "token", None
+            return
+        try:
+            body = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(body, dict):
+            return
+        if "error" in body:
+            self.error = True
+            return
+        usage = body.get("usage")
+        if usage:
+            yield "usage", usage
+        if any(_has_token(c) for c in body.get("choices") or ()):
+            self.seen_token = True
+            yield "token", None
+
+
+def _has_token(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text") or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("tool_calls"))
+
+
+# -- running it ----------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    """The first signal stops new requests (health 503) and lets streams in flight finish,
+    up to ``drain_timeout_s``; a second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, router: Router) -> None:
+        super().__init__(config)
+        self.router = router
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.router.draining:
+            log.info("signal %s: draining %d requests", sig, self.router.active)
+        self.router.draining = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:
+            for sock in server.sockets:
+                self.router.bound_port = sock.getsockname()[1]
+
+
+def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
+    s = router.settings
+    config = uvicorn.Config(
+        router.app,
+        host=s.host,
+        port=s.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
+        access_log=False,
+        lifespan="on",
+    )
+    return _Uvicorn(config, router)
+
+
+def serve(settings: RouterSettings, log_level: str = "info") -> None:
+    """Run the router until SIGTERM/SIGINT, then drain."""
+    uvicorn_server(Router(settings), log_level=log_level).run()

@@ -1,0 +1,102 @@
+"""The router's settings: one validated object, from flags and ``KVPOOL_ROUTER_*`` variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+
+from .discovery import WorkerEndpoint, parse_static_worker
+from .policy import POLICIES, SCORERS, PolicyConfig
+
+ENV_PREFIX = "KVPOOL_ROUTER_"
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the workers' model directory: tokenizer and chat template")
+    served_model_name: str | None = None  # default: the directory's name
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    # workers: a static list, or Kubernetes pods
+    worker: list[str] = Field(default_factory=list)  # URL[,role=..][,events=..][,replay=..]
+    discovery: Literal["static", "kubernetes"] = "static"
+    namespace: str = "default"
+    selector: str = "kvpool.io/component=worker"
+    worker_port: str = "8000"  # a number or a container port name
+    role_label: str = "kvpool.io/role"
+    # hashing: must be the workers'
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
+    hash_seed: str = DEFAULT_HASH_SEED
+    # policy
+    policy: Literal["kvpool", "round-robin", "random", "least-loaded", "prefix-only"] = "kvpool"
+    scorer: list[str] = Field(default_factory=list)  # name=weight, replaces the policy's
+    guard_ratio: float = Field(1.25, ge=1.0)
+    guard_slack: float = Field(2.0, ge=0.0)
+    speculative_ttl_s: float = Field(2.0, gt=0)
+    approx_ttl_s: float = Field(120.0, gt=0)
+    approx_capacity_blocks: int = Field(50_000, ge=1)
+    # workers' health and load
+    health_interval_s: float = Field(0.5, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    scrape_interval_s: float = Field(1.0, gt=0)
+    # reliability
+    max_attempts: int = Field(3, ge=1)
+    retry_backoff_s: float = Field(0.05, ge=0)
+    breaker_failures: int = Field(3, ge=1)
+    breaker_cooldown_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    max_concurrency: int = Field(1024, ge=1)
+    max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSettings:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {self.model} is not a model directory (no config.json)")
+        if self.discovery == "static" and not self.worker:
+            raise ValueError("worker: give at least one --worker URL, or --discovery kubernetes")
+        for spec in self.worker:
+            parse_static_worker(spec)  # a bad spec is named here, at start-up
+        self.policy_config()
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    def static_workers(self) -> list[WorkerEndpoint]:
+        endpoints = [parse_static_worker(spec) for spec in self.worker]
+        ids = [e.id for e in endpoints]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker: the same worker is given twice in {ids}")
+        return endpoints
+
+    def policy_config(self) -> PolicyConfig:
+        from dataclasses import replace
+
+        base = POLICIES[self.policy]
+        changes: dict[str, object] = {
+            "guard_ratio": self.guard_ratio,
+            "guard_slack": self.guard_slack,
+        }
+        if self.scorer:
+            weights = []
+            for item in self.scorer:
+                name, sep, weight = item.partition("=")
+                if name not in SCORERS:
+                    raise ValueError(
+                        f"scorer: unknown scorer {name!r}: choose from {', '.join(SCORERS)}"
+                    )
+                try:
+                    value = float(weight) if sep else 1.0
+                except ValueError:
+                    raise ValueError(f"scorer: {item!r} is not name=weight") from None
+                weights.append((name, value))
+            changes["scorers"] = tuple(weights)
+        return replace(base, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,252 @@
+"""The routing policy's pieces, each on its own, then put together (pure: no servers)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvpool.router.policy import (
+    FILTERS,
+    SCORERS,
+    Policy,
+    PolicyConfig,
+    PrefillModel,
+    RouteRequest,
+    WorkerView,
+)
+
+CFG = PolicyConfig()
+
+
+def req(num_tokens: int = 1000, block_size: int = 16, **matched: int) -> RouteRequest:
+    return RouteRequest(num_tokens=num_tokens, block_size=block_size, matched_blocks=matched)
+
+
+def workers(n: int, **fields: object) -> list[WorkerView]:
+    return [WorkerView(id=f"w{i}", **fields) for i in range(n)]  # type: ignore[arg-type]
+
+
+# -- filters ---------------------------------------------------------------------------------
+
+
+def test_healthy_filter_drops_down_draining_and_open_circuits() -> None:
+    ws = [
+        WorkerView("ok"),
+        WorkerView("down", healthy=False),
+        WorkerView("draining", draining=True),
+        WorkerView("broken", breaker_open=True),
+    ]
+    dropped = FILTERS["healthy"](req(), ws, CFG)
+    assert dropped == {"down": "unhealthy", "draining": "draining", "broken": "circuit_open"}
+
+
+def test_role_filter_keeps_workers_of_the_requested_roles() -> None:
+    ws = [
+        WorkerView("b", role="both"),
+        WorkerView("p", role="prefill"),
+        WorkerView("d", role="decode"),
+    ]
+    assert set(FILTERS["role"](req(), ws, CFG)) == {"p"}  # aggregated: both or decode
+    prefill = RouteRequest(100, 16, {}, roles=("prefill",))
+    assert set(FILTERS["role"](prefill, ws, CFG)) == {"b", "d"}
+
+
+def test_model_filter_drops_workers_serving_another_model() -> None:
+    ws = [WorkerView("a", model="llama"), WorkerView("b", model="qwen"), WorkerView("c")]
+    r = RouteRequest(100, 16, {}, model="llama")
+    assert set(FILTERS["model"](r, ws, CFG)) == {"b"}
+
+
+def test_decode_load_guard_drops_workers_far_above_the_mean() -> None:
+    ws = [
+        WorkerView("hot", in_flight=20),
+        WorkerView("a", in_flight=4),
+        WorkerView("b", in_flight=4),
+    ]
+    dropped = FILTERS["decode-load"](req(), ws, CFG)
+    assert set(dropped) == {"hot"}  # mean 9.3: limit 1.25 * 9.3 + 2 = 13.7
+
+
+def test_decode_load_guard_drops_a_full_kv_cache() -> None:
+    ws = [WorkerView("full", kv_usage=0.99), WorkerView("a", kv_usage=0.5)]
+    assert set(FILTERS["decode-load"](req(), ws, CFG)) == {"full"}
+
+
+def test_decode_load_guard_never_drops_every_worker() -> None:
+    ws = [WorkerView("a", kv_usage=0.99), WorkerView("b", kv_usage=0.99)]
+    assert FILTERS["decode-load"](req(), ws, CFG) == {}
+
+
+# -- scorers ---------------------------------------------------------------------------------
+
+
+def test_ttft_scorer_prefers_the_cached_worker_when_queues_are_equal() -> None:
+    scores = SCORERS["ttft"](req(1000, w0=50), workers(2))
+    assert scores["w0"] == 1.0
+    assert scores["w1"] < 0.5  # recomputing 1000 tokens vs 200
+
+
+def test_ttft_scorer_prefers_an_idle_worker_over_a_long_queue_with_the_prefix() -> None:
+    ws = [WorkerView("busy", queued_tokens=40_000), WorkerView("idle")]
+    scores = SCORERS["ttft"](req(2000, busy=120), ws)
+    assert scores["idle"] == 1.0 and scores["busy"] < 1.0
+
+
+def test_ttft_scorer_gives_no_cache_credit_to_an_incompatible_worker() -> None:
+    ws = [WorkerView("odd", compatible=False), WorkerView("ok")]
+    scores = SCORERS["ttft"](req(1000, odd=60, ok=10), ws)
+    assert scores["ok"] == 1.0 and scores["odd"] < 1.0
+
+
+def test_prefix_scorer_is_the_cached_fraction() -> None:
+    scores = SCORERS["prefix"](req(161, w0=5, w1=10), workers(3))
+    assert scores == {"w0": 0.5, "w1": 1.0, "w2": 0.0}
+
+
+def test_in_flight_scorer_ranks_by_requests_in_flight() -> None:
+    ws = [WorkerView("a", in_flight=0), WorkerView("b", in_flight=3), WorkerView("c", in_flight=1)]
+    scores = SCORERS["in-flight"](req(), ws)
+    assert scores["a"] > scores["c"] > scores["b"]
+
+
+def test_kv_usage_scorer_prefers_free_cache() -> None:
+    ws = [WorkerView("a", kv_usage=0.9), WorkerView("b", kv_usage=0.1), WorkerView("c")]
+    scores = SCORERS["kv-usage"](req(), ws)
+    assert scores["b"] > scores["a"] and scores["c"] == 1.0
+
+
+def test_queue_scorer_prefers_shorter_prefill_queues() -> None:
+    ws = [WorkerView("a", queued_tokens=5000), WorkerView("b", queued_tokens=10)]
+    scores = SCORERS["queue"](req(), ws)
+    assert scores["b"] > scores["a"]
+
+
+def test_every_scorer_stays_within_zero_and_one() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        ws = [
+            WorkerView(
+                f"w{i}",
+                in_flight=rng.randint(0, 50),
+                queued_tokens=rng.randint(0, 50_000),
+                kv_usage=rng.random(),
+            )
+            for i in range(rng.randint(1, 6))
+        ]
+        r = req(rng.randint(1, 5000), **{w.id: rng.randint(0, 300) for w in ws})
+        for name, scorer in SCORERS.items():
+            for score in scorer(r, ws).values():
+                assert 0.0 <= score <= 1.0, name
+
+
+# -- the prefill model -----------------------------------------------------------------------
+
+
+def test_prefill_model_learns_a_worker_rate_from_observed_ttfts() -> None:
+    model = PrefillModel()  # prior: 8000 tokens/s
+    rng = random.Random(1)
+    for _ in range(300):
+        tokens = rng.randint(50, 4000)
+        model.observe(tokens, 0.02 + tokens / 2000 + rng.gauss(0, 0.002))
+    assert model.rate == pytest.approx(2000, rel=0.1)
+    assert model.overhead == pytest.approx(0.02, abs=0.01)
+
+
+def test_prefill_model_keeps_its_prior_rate_without_spread_in_prompt_sizes() -> None:
+    model = PrefillModel()
+    for _ in range(50):
+        model.observe(100, 0.05)
+    assert model.rate == 8000.0
+    assert model.predict(100) == pytest.approx(0.05, abs=1e-6)
+
+
+# -- the picker and whole policies -----------------------------------------------------------
+
+
+def test_max_picker_breaks_ties_at_random() -> None:
+    policy = Policy(PolicyConfig(), rng=random.Random(3))
+    chosen = Counter(policy.decide(req(), workers(4)).worker for _ in range(400))
+    assert set(chosen) == {"w0", "w1", "w2", "w3"}
+    assert min(chosen.values()) > 50
+
+
+def test_kvpool_policy_sends_a_prefix_to_the_worker_that_holds_it() -> None:
+    d = Policy.named("kvpool").decide(req(2000, w2=100), workers(4))
+    assert (d.worker, d.reason) == ("w2", "prefix")
+    assert d.cached_tokens == 1600
+
+
+def test_kvpool_policy_spills_a_hot_prefix_when_its_holder_is_busy() -> None:
+    ws = workers(4)
+    ws[0].in_flight = 12  # everyone else idle: over the decode-load guard
+    d = Policy.named("kvpool").decide(req(2000, w0=120), ws)
+    assert d.worker != "w0" and d.reason == "spill"
+    assert next(c for c in d.candidates if c.worker == "w0").filtered.startswith("decode-load")
+
+
+def test_kvpool_policy_spills_when_the_holder_has_a_long_prefill_queue() -> None:
+    ws = workers(2)
+    ws[0].queued_tokens = 100_000
+    d = Policy.named("kvpool").decide(req(2000, w0=120), ws)
+    assert (d.worker, d.reason) == ("w1", "spill")
+
+
+def test_hot_prefix_never_piles_onto_one_worker() -> None:
+    """Every request shares one prompt: in-flight counts stay within 1.5x of the mean."""
+    policy = Policy.named("kvpool", rng=random.Random(0))
+    ws = workers(4)
+    holders = {"w0"}
+    for _ in range(200):
+        d = policy.decide(req(1000, **dict.fromkeys(holders, 60)), ws)
+        chosen = next(w for w in ws if w.id == d.worker)
+        chosen.in_flight += 1
+        holders.add(chosen.id)  # the chosen worker caches it too
+    loads = [w.in_flight for w in ws]
+    assert max(loads) / (sum(loads) / len(loads)) <= 1.5
+    assert holders == {"w0", "w1", "w2", "w3"}
+
+
+def test_no_worker_when_every_worker_is_filtered() -> None:
+    d = Policy.named("kvpool").decide(req(), workers(2, healthy=False))
+    assert d.worker is None and d.reason == "no_worker"
+    assert all(c.filtered for c in d.candidates)
+
+
+def test_round_robin_visits_workers_in_turn() -> None:
+    policy = Policy.named("round-robin")
+    seen = [policy.decide(req(w0=60), workers(3)).worker for _ in range(6)]
+    assert seen == ["w0", "w1", "w2", "w0", "w1", "w2"]
+
+
+def test_random_policy_ignores_the_cache() -> None:
+    policy = Policy.named("random", rng=random.Random(5))
+    chosen = Counter(policy.decide(req(w0=60), workers(3)).worker for _ in range(300))
+    assert set(chosen) == {"w0", "w1", "w2"}
+
+
+def test_least_loaded_policy_ignores_the_cache() -> None:
+    ws = [WorkerView("cached", in_flight=3), WorkerView("idle")]
+    d = Policy.named("least-loaded").decide(req(w0=60, cached=60), ws)
+    assert d.worker == "idle"
+
+
+def test_prefix_only_policy_ignores_load() -> None:
+    ws = [WorkerView("cached", in_flight=50), WorkerView("idle")]
+    d = Policy.named("prefix-only").decide(req(cached=60), ws)
+    assert d.worker == "cached"
+
+
+def test_decision_explains_every_worker() -> None:
+    ws = [WorkerView("a"), WorkerView("b", healthy=False)]
+    d = Policy.named("kvpool").decide(req(500, a=10), ws)
+    text = d.explain()
+    assert "a: cached 160" in text and "b: filtered (healthy: unhealthy)" in text
+
+
+def test_unknown_policy_pieces_are_refused_with_the_names_that_exist() -> None:
+    with pytest.raises(ValueError, match="scorers are"):
+        PolicyConfig(scorers=(("nope", 1.0),))
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        Policy.named("fastest")
