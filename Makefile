@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench run clean
+.PHONY: install test lint format pytest bench run demo clean
 
 install: $(STAMP)
 
@@ -42,14 +42,18 @@ bench: install
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/sim_fleet.py
 
-# Today: one worker server with the tiny model, the OpenAI API on http://127.0.0.1:8000 and
-# KV events on tcp://127.0.0.1:5557 (replay on 5558); Ctrl-C drains and stops it. It becomes
-# the local stack (workers behind the router) when the router lands.
-TINY_MODEL := .cache/tiny-model
+# The local stack: the KV-aware router on http://127.0.0.1:8080 (OpenAI API under /v1) in
+# front of two workers serving the tiny test model, each publishing its KV events; Ctrl-C
+# stops them all. WORKERS=4 ENGINE=sim for simulated workers.
+WORKERS ?= 2
+ENGINE ?= kvpool
 run: install
-	@test -f $(TINY_MODEL)/config.json || $(VENV)/bin/kvpool worker make-tiny-model $(TINY_MODEL)
-	$(VENV)/bin/kvpool worker serve --model $(TINY_MODEL) --port 8000 --num-blocks 4096 \
-		--kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay-endpoint tcp://127.0.0.1:5558
+	$(VENV)/bin/kvpool up --workers $(WORKERS) --engine $(ENGINE)
+
+# The same stack, a few chat requests that share a long system prompt (worker chosen, cached
+# tokens and TTFT of each, then the router's hit ratio), and stop.
+demo: install
+	$(VENV)/bin/kvpool up --workers $(WORKERS) --engine $(ENGINE) --port 0 --demo
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis *.egg-info

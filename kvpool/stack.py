@@ -78,6 +78,8 @@ class Stack:
     def start(self, timeout: float = 180.0) -> None:
         if self.workers < 1:
             raise StackError("--workers must be at least 1")
+        if self.port == 0:
+            self.port = free_port()
         if not (self.model / "config.json").is_file():
             raise StackError(f"{self.model} is not a model directory (no config.json)")
         quiet = None if self.verbose else subprocess.DEVNULL

@@ -63,6 +63,10 @@ class PrefillModel:
     _vxx: float = 0.0
     _vxy: float = 0.0
 
+    @property
+    def observations(self) -> int:
+        return int(self._n)
+
     def predict(self, tokens: float) -> float:
         return self.overhead + tokens / self.rate
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,30 +46,27 @@ log = logging.getLogger(__name__)
 @dataclass
 class CircuitBreaker:
     """Opens after ``threshold`` failures in a row; after ``cooldown`` one trial request is
-    let through (half-open): its success closes the breaker, its failure opens it again."""
+    let through (half-open): its success closes the breaker, its failure opens it again. A
+    trial that ends with neither (a 4xx, a 429, the client gone) keeps it open for one more
+    cooldown, then lets another trial through."""
 
     threshold: int = 3
     cooldown: float = 5.0
     failures: int = 0
     open_until: float = 0.0
-    trial_pending: bool = False
 
     def is_open(self, now: float) -> bool:
-        if self.failures < self.threshold:
-            return False
-        return now < self.open_until or self.trial_pending
+        return self.failures >= self.threshold and now < self.open_until
 
     def on_attempt(self, now: float) -> None:
         if self.failures >= self.threshold and now >= self.open_until:
-            self.trial_pending = True  # the half-open trial
+            self.open_until = now + self.cooldown  # the half-open trial: no other meanwhile
 
     def on_success(self) -> None:
         self.failures = 0
-        self.trial_pending = False
 
     def on_failure(self, now: float) -> None:
         self.failures += 1
-        self.trial_pending = False
         if self.failures >= self.threshold:
             self.open_until = now + self.cooldown
 
@@ -186,6 +184,10 @@ class PoolConfig:
     breaker_cooldown_s: float = 5.0
 
 
+#: TTFTs seen before a worker's own prefill model is trusted over its peers'
+LEARNED_AFTER = 8
+
+
 class WorkerPool:
     """The workers the router knows, kept current by discovery and by their own answers."""
 
@@ -251,7 +253,20 @@ class WorkerPool:
 
     def views(self, now: float | None = None) -> list[WorkerView]:
         now = time.monotonic() if now is None else now
-        return [s.view(now) for s in self.workers.values()]
+        views = [s.view(now) for s in self.workers.values()]
+        # A worker the router has not yet seen prefill is assumed to be like its peers
+        # (same model, same hardware), not like the static prior: a prior slower than
+        # the pool would keep a new or idle worker out of rotation for good.
+        learned = [v.prefill for v in views if v.prefill.observations >= LEARNED_AFTER]
+        if learned and len(learned) < len(views):
+            typical = PrefillModel(
+                rate=statistics.median(m.rate for m in learned),
+                overhead=statistics.median(m.overhead for m in learned),
+            )
+            for v in views:
+                if v.prefill.observations < LEARNED_AFTER:
+                    v.prefill = typical
+        return views
 
     def models(self) -> set[str]:
         return {s.model for s in self.workers.values() if s.model and s.status == "up"}

@@ -438,11 +438,15 @@ class Router:
         for attempt in range(s.max_attempts):
             if attempt:
                 await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
+                if time.monotonic() >= deadline:
+                    break  # the request's time is spent: no other worker gets it
             t0 = time.perf_counter()
             decision = self._decide(routed, tried)
             metrics.decision_latency.observe(time.perf_counter() - t0)
             if decision.worker is None:
                 break
+            if last is not None:  # sent again: the last worker failed before any byte
+                metrics.retries.labels(last.reason).inc()
             state = pool.workers[decision.worker]
             metrics.decisions.labels(state.id, decision.reason).inc()
             if attempt == 0:
@@ -458,13 +462,11 @@ class Router:
             tried.add(state.id)
             try:
                 resp = await self._send(state, routed, deadline)
+                return await self._respond(state, ticket, routed, resp, arrival, deadline)
             except _Failed as exc:
                 state.end(ticket)
                 last = exc
                 failures.append(f"{state.id}: {exc}")
-                metrics.retries.labels(exc.reason).inc()
-                continue
-            return await self._respond(state, ticket, routed, resp, arrival, deadline)
         if last is None:
             metrics.requests.labels("no_worker").inc()
             raise OpenAIError(
@@ -557,14 +559,10 @@ class Router:
                 code="timeout",
             ) from None
         except (httpx.HTTPError, OSError) as exc:
-            metrics.requests.labels("worker_error").inc()
+            # Nothing has reached the client yet: another worker may answer it.
             state.breaker.on_failure(time.monotonic())
-            raise OpenAIError(
-                502,
-                f"worker {state.id} failed while answering: {type(exc).__name__}: {exc}",
-                type="server_error",
-                code="worker_failed",
-            ) from None
+            message = f"failed while answering: {type(exc).__name__}: {exc}"
+            raise _Failed("connection", message) from None
         finally:
             await resp.aclose()
             state.end(ticket)

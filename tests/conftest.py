@@ -364,7 +364,8 @@ class WorkerProcess:
         argv += ["worker", "serve", "--model", str(model), "--engine", engine]
         argv += ["--port", str(self.port)]
         for name, value in flags.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
+            if value is not None:  # None: leave the setting unset (no KV events, say)
+                argv += ["--" + name.replace("_", "-"), str(value)]
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
 
