@@ -156,6 +156,21 @@ def configure_logging(verbose: bool) -> None:
     )
 
 
+def run_command(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    errors: tuple[type[Exception], ...] = (ValueError,),
+) -> int:
+    """Parse, set up logging, run the chosen command; a bad setting or input (``errors``)
+    ends it with one line and exit status 2, as argparse does for a bad flag."""
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return args.func(args)
+    except errors as exc:  # named precisely by the code that found them
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+
 def _run_component(name: str, argv: list[str]) -> int:
     module_name, extra, _ = COMPONENTS[name]
     try:
@@ -213,13 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMPONENTS:
         return _run_component(argv[0], argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose)
-    try:
-        return args.func(args)
-    except ValueError as exc:  # bad settings, named precisely by the code that found them
-        parser.exit(2, f"kvpool: error: {exc}\n")
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ the worker's info document. Validation is strict: a wrong type or an unknown fie
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +26,7 @@ __all__ = [
     "StreamOptions",
     "TokenizeRequest",
     "WorkerInfo",
+    "exception_handlers",
     "parse_request",
 ]
 
@@ -60,6 +63,37 @@ class OpenAIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def exception_handlers(log: logging.Logger) -> dict[Any, Callable[..., Any]]:
+    """Starlette exception handlers that answer every error in OpenAI's body: an
+    :class:`OpenAIError` as it says, an HTTP error (unknown path, wrong method) with its
+    status, and a bug as a 500 (logged). Starlette is imported here, when a component that
+    serves HTTP asks: the core itself needs no web framework."""
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+
+    async def openai_error(request: Any, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def http_error(request: Any, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = OpenAIError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind
+        )
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    async def bug(request: Any, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        err = OpenAIError(
+            500,
+            f"internal error: {type(exc).__name__}: {exc}",
+            type="server_error",
+            code="internal_error",
+        )
+        return JSONResponse(err.body(), status_code=500)
+
+    return {OpenAIError: openai_error, HTTPException: http_error, Exception: bug}
 
 
 class _Strict(BaseModel):

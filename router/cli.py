@@ -17,7 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvpool.cli import configure_logging
+from kvpool.cli import run_command
 from kvpool.settings_cli import add_settings_arguments, build_settings, settings_values
 
 from .settings import ENV_PREFIX, RouterSettings
@@ -83,10 +83,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose)
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        parser.exit(2, f"kvpool router: error: {exc}\n")
+    return run_command(build_parser(), argv)

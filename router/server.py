@@ -26,11 +26,16 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool import __version__
 from kvpool.hashing import BlockHasher
-from kvpool.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_request
+from kvpool.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    exception_handlers,
+    parse_request,
+)
 from kvpool.tokenization import encode_prompt, load_tokenizer, render_chat
 
 from .discovery import StaticDiscovery, WorkerEndpoint
@@ -186,28 +191,13 @@ class Router:
             yield
             await self.shutdown()
 
-        app = FastAPI(title="kvpool router", version=__version__, lifespan=lifespan)
+        app = FastAPI(
+            title="kvpool router",
+            version=__version__,
+            lifespan=lifespan,
+            exception_handlers=exception_handlers(log),
+        )
         app.state.router = self
-
-        @app.exception_handler(OpenAIError)
-        async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            err = OpenAIError(
-                exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind
-            )
-            return JSONResponse(err.body(), status_code=exc.status_code)
-
-        @app.exception_handler(Exception)
-        async def _bug(request: Request, exc: Exception) -> JSONResponse:
-            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-            err = OpenAIError(
-                500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"
-            )
-            return JSONResponse(err.body(), status_code=500)
 
         app.add_route("/v1/completions", self.completions, methods=["POST"])
         app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -542,9 +532,8 @@ class Router:
         headers["x-request-id"] = routed.request_id
         headers["x-kvpool-worker"] = state.id
         if routed.stream and resp.status_code == 200:
-            return _RelayResponse(
-                self._relay(state, ticket, routed, resp, arrival, deadline), headers
-            )
+            relay = _Relay(self, state, ticket, routed, resp, arrival, deadline)
+            return _RelayResponse(relay, headers)
         metrics = self._metrics()
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
@@ -589,17 +578,6 @@ class Router:
         if isinstance(prompt, int) and isinstance(cached, int):
             metrics.reported_prompt_tokens.inc(prompt)
             metrics.realised_hit_tokens.inc(cached)
-
-    def _relay(
-        self,
-        state: WorkerState,
-        ticket: Ticket,
-        routed: Routed,
-        resp: httpx.Response,
-        arrival: float,
-        deadline: float,
-    ) -> _Relay:
-        return _Relay(self, state, ticket, routed, resp, arrival, deadline)
 
 
 class _Relay:

@@ -249,7 +249,45 @@ def engine_factory(tiny_model: tuple[Any, Any]) -> Callable[..., Any]:
     return make
 
 
-class RunningWorker:
+class RunningServer:
+    """A server of ours on 127.0.0.1 (``url``), run by uvicorn in a thread of the test process."""
+
+    url: str
+    server: Any
+    thread: threading.Thread
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of ``/metrics`` (parsed by prometheus_client), by name and labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not met in time")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+class RunningWorker(RunningServer):
     """A worker server on 127.0.0.1 in a thread of the test process (its engine is reachable
     as ``.engine`` for checks against the server's answers)."""
 
@@ -269,36 +307,9 @@ class RunningWorker:
     def engine(self) -> Any:
         return self.worker.engine
 
-    def openai(self, **kwargs: Any) -> Any:
-        import openai
-
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of ``/metrics`` (parsed by prometheus_client), by name and labels."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
     def metric(self, name: str, **labels: str) -> float:
         labels.setdefault("model_name", self.worker.model_name)
-        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
-
-    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met in time")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        return super().metric(name, **labels)
 
 
 @pytest.fixture
@@ -416,7 +427,7 @@ def worker_processes(llama_dir: Path) -> Iterator[Callable[..., list[WorkerProce
         p.stop()
 
 
-class RunningRouter:
+class RunningRouter(RunningServer):
     """A router on 127.0.0.1 in a thread of the test process."""
 
     def __init__(self, router: Any, server: Any) -> None:
@@ -430,11 +441,6 @@ class RunningRouter:
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{router.bound_port}"
 
-    def openai(self, **kwargs: Any) -> Any:
-        import openai
-
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
-
     def workers(self) -> dict[str, dict[str, Any]]:
         rows = httpx.get(self.url + "/debug/workers", timeout=10).json()["workers"]
         return {w["id"]: w for w in rows}
@@ -444,34 +450,10 @@ class RunningRouter:
         assert resp.status_code == 200, resp.text
         return resp.json()
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
-
-    def wait_for(self, condition: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError("condition not met in time")
-            time.sleep(0.02)
-
     def wait_workers_up(self, n: int, timeout: float = 30.0) -> None:
         self.wait_for(
             lambda: sum(w["status"] == "up" for w in self.workers().values()) >= n, timeout
         )
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture

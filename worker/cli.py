@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.cli import configure_logging
+from kvpool.cli import run_command
 from kvpool.settings_cli import add_settings_arguments, build_settings, settings_values
 
 from .config import ModelLoadError
@@ -203,13 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose)
-    try:
-        return args.func(args)
-    except (ModelLoadError, ValueError) as exc:
-        parser.exit(2, f"kvpool worker: error: {exc}\n")
+    return run_command(build_parser(), argv, (ModelLoadError, ValueError))
 
 
 if __name__ == "__main__":

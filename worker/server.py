@@ -29,7 +29,6 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool import __version__
 from kvpool.hashing import HASH_ALGORITHM
@@ -43,6 +42,7 @@ from kvpool.openai_api import (
     OpenAIError,
     TokenizeRequest,
     WorkerInfo,
+    exception_handlers,
     parse_request,
 )
 from kvpool.tokenization import render_chat
@@ -225,31 +225,13 @@ class WorkerServer:
             yield
             await self.shutdown()
 
-        app = FastAPI(title="kvpool worker", version=__version__, lifespan=lifespan)
+        app = FastAPI(
+            title="kvpool worker",
+            version=__version__,
+            lifespan=lifespan,
+            exception_handlers=exception_handlers(log),
+        )
         app.state.worker = self
-
-        @app.exception_handler(OpenAIError)
-        async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            err = OpenAIError(
-                exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind
-            )
-            return JSONResponse(err.body(), status_code=exc.status_code)
-
-        @app.exception_handler(Exception)
-        async def _bug(request: Request, exc: Exception) -> JSONResponse:
-            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-            err = OpenAIError(
-                500,
-                f"internal error: {type(exc).__name__}: {exc}",
-                type="server_error",
-                code="internal_error",
-            )
-            return JSONResponse(err.body(), status_code=500)
 
         app.add_route("/health", self.health, methods=["GET"])
         app.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
