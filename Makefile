@@ -41,6 +41,7 @@ bench: install
 	$(PY) bench/engine.py
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/sim_fleet.py
+	$(PY) bench/routing.py
 
 # The local stack: the KV-aware router on http://127.0.0.1:8080 (OpenAI API under /v1) in
 # front of two workers serving the tiny test model, each publishing its KV events; Ctrl-C
