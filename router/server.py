@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -317,12 +317,42 @@ class Router:
                 metrics.requests.labels("client_error").inc()
                 raise
             deadline = arrival + self.settings.request_timeout_s
-            response = await self._proxy(routed, arrival, deadline)
+            if routed.stream:  # a stream's relay sees the client leave as it writes
+                response = await self._proxy(routed, arrival, deadline)
+            else:
+                response = await self._unless_client_leaves(
+                    request, self._proxy(routed, arrival, deadline)
+                )
             handed_over = isinstance(response, _RelayResponse)
             return response
         finally:
             if not handed_over:
                 self.active -= 1
+
+    async def _unless_client_leaves(
+        self, request: Request, work: Coroutine[Any, Any, Response]
+    ) -> Response:
+        """Run ``work`` (a whole answer being awaited) but give up when the client hangs up:
+        the worker's connection is closed, which makes it abort the request and free its
+        blocks, instead of computing an answer nobody will read."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and gone.exception() is not None:
+                return await task  # cannot tell whether the client is there: carry on
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self._metrics().requests.labels("cancelled").inc()
+        return Response(status_code=499)  # nobody reads it; logs show why it ended
 
     async def _body(self, request: Request) -> bytes:
         limit = self.settings.max_request_body_bytes
@@ -457,6 +487,9 @@ class Router:
                 state.end(ticket)
                 last = exc
                 failures.append(f"{state.id}: {exc}")
+            except BaseException:  # cancelled (the client left, shutdown) or a bug
+                state.end(ticket)
+                raise
         if last is None:
             metrics.requests.labels("no_worker").inc()
             raise OpenAIError(
@@ -679,6 +712,12 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.relay.close()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (its body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse_error(message: str, code: str) -> bytes:

@@ -318,3 +318,28 @@ def test_vllm_format_events_are_indexed_in_both_encodings(encoding, worker_proce
         assert decision["reason"] == "single"
     finally:
         pub.close(0)
+
+
+def test_a_client_leaving_a_whole_answer_frees_the_worker_at_once(worker_processes, start_router):
+    """A non-streamed request whose client hangs up is aborted on the worker (which frees
+    its blocks) rather than computed to the end for nobody."""
+    (worker,) = worker_processes(1, sim_time_scale=20)  # 120 ms a token: 100 tokens, 12 s
+    router = start_router(worker=[worker.url])
+    router.wait_workers_up(1)
+    wid = f"127.0.0.1:{worker.port}"
+    body = {"prompt": "a long answer please", "max_tokens": 100}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json=body, timeout=1.0)
+    left = time.monotonic()
+
+    def running() -> float:
+        text = httpx.get(worker.url + "/metrics", timeout=5).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
+
+    router.wait_for(lambda: router.workers()[wid]["in_flight"] == 0 and running() == 0, 5)
+    assert time.monotonic() - left < 5  # long before the answer's 12 s
+    router.wait_for(lambda: router.metric("kvpool_router_requests_total", outcome="cancelled"))
