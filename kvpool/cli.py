@@ -100,6 +100,7 @@ COMPONENTS = {
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
     import subprocess
     from pathlib import Path
 
@@ -123,6 +124,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
         policy=args.policy,
         verbose=args.verbose,
     )
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the stack as Ctrl-C does: in order
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         stack.start()
         print(

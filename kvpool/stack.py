@@ -37,6 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_range(count: int, tries: int = 100) -> int:
+    """The first of ``count`` consecutive free ports (for ``sim-fleet``'s base ports)."""
+    for _ in range(tries):
+        base = free_port()
+        if base + count < 65536 and all(_bindable(base + i) for i in range(count)):
+            return base
+    raise StackError(f"found no {count} consecutive free ports")
+
+
 def _kvpool(*args: str) -> list[str]:
     # PYTHONSAFEPATH (in the env below) keeps a checkout's operator/ off the import path.
     return [
@@ -85,17 +103,17 @@ class Stack:
         quiet = None if self.verbose else subprocess.DEVNULL
         verbose = ["-v"] if self.verbose else []
         if self.engine == "sim":  # one process hosts the whole simulated fleet
-            base, events = free_port(), free_port()
+            base, events = free_port_range(self.workers), free_port_range(self.workers)
             ports = list(range(base, base + self.workers))
             self.procs.append(
                 subprocess.Popen(
                     _kvpool(
                         "worker", *verbose, "sim-fleet", "--model", str(self.model),
                         "--count", str(self.workers), "--base-port", str(base),
-                        "--kv-events-base-port", str(events + 1000),
+                        "--kv-events-base-port", str(events),
                         "--num-blocks", str(self.num_blocks),
                     ),
-                    env=_env(), stdout=quiet, stderr=None,
+                    env=_env(), stdout=quiet, stderr=None, start_new_session=True,
                 )
             )  # fmt: skip
         else:
@@ -110,7 +128,7 @@ class Stack:
                             "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
                         ),
-                        env=_env(), stdout=quiet, stderr=None,
+                        env=_env(), stdout=quiet, stderr=None, start_new_session=True,
                     )
                 )  # fmt: skip
         self.worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -119,7 +137,8 @@ class Stack:
         args += ["--policy", self.policy]
         for url in self.worker_urls:
             args += ["--worker", url]
-        self.procs.insert(0, subprocess.Popen(_kvpool(*args), env=_env(), stderr=None))
+        router = subprocess.Popen(_kvpool(*args), env=_env(), start_new_session=True)
+        self.procs.insert(0, router)
         self._wait([self.url], timeout, "router")
 
     def _wait(self, urls: list[str], timeout: float, what: str) -> None:

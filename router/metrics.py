@@ -91,6 +91,18 @@ class _PoolCollector(Collector):
                 "Sequence gaps in the worker's KV event stream.",
                 labels=["worker"],
             ),
+            "decisions": CounterMetricFamily(
+                "kvpool_router_routing_decisions",
+                "Routing decisions by chosen worker and reason (prefix, spill, load, single, "
+                "or the baseline policy's name).",
+                labels=["worker", "reason"],
+            ),
+            "mismatches": CounterMetricFamily(
+                "kvpool_router_worker_hash_mismatches",
+                "Registrations of the worker with a block size, hash seed or model other than "
+                "the router's.",
+                labels=["worker"],
+            ),
             "resyncs": CounterMetricFamily(
                 "kvpool_router_kv_event_resyncs",
                 "Times the worker's index entries were dropped because events were lost.",
@@ -111,6 +123,9 @@ class _PoolCollector(Collector):
             stats = s.subscriber.stats if s.subscriber is not None else None
             families["gaps"].add_metric(w, stats.gaps if stats else 0)
             families["resyncs"].add_metric(w, stats.resyncs if stats else 0)
+            families["mismatches"].add_metric(w, s.mismatches)
+            for reason, count in s.decisions.items():
+                families["decisions"].add_metric([s.id, reason], count)
         yield from families.values()
 
 
@@ -125,24 +140,10 @@ class RouterMetrics:
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.decisions = Counter(
-            "kvpool_router_routing_decisions",
-            "Routing decisions by chosen worker and reason (prefix, spill, load, single, or "
-            "the baseline policy's name).",
-            ["worker", "reason"],
-            registry=r,
-        )
         self.retries = Counter(
             "kvpool_router_retries",
             "Requests sent again to another worker before any byte reached the client.",
             ["reason"],
-            registry=r,
-        )
-        self.mismatches = Counter(
-            "kvpool_router_worker_hash_mismatches",
-            "Registrations of a worker whose block size, hash seed or model differ from the "
-            "router's.",
-            ["worker"],
             registry=r,
         )
         self.ttft = Histogram(
@@ -165,7 +166,8 @@ class RouterMetrics:
         )
         self.decision_latency = Histogram(
             "kvpool_router_decision_latency_seconds",
-            "Time to tokenize, hash, look up and score one request.",
+            "Time to look up a request's blocks in the index and run the policy (after "
+            "tokenizing and hashing).",
             buckets=DECISION_BUCKETS,
             registry=r,
         )

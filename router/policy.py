@@ -20,6 +20,7 @@ worker's in-flight requests near the pool's mean whatever the cache says.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -280,8 +281,8 @@ class PolicyConfig:
                 f"unknown policy pieces {unknown}: filters are {sorted(FILTERS)}, "
                 f"scorers are {sorted(SCORERS)}"
             )
-        if any(weight < 0 for _, weight in self.scorers):
-            raise ValueError("scorer weights must not be negative")
+        if any(not (math.isfinite(weight) and weight >= 0) for _, weight in self.scorers):
+            raise ValueError("scorer weights must be finite numbers, not negative")
         if self.picker == "max" and not self.scorers:
             raise ValueError("the max picker needs at least one scorer")
 
@@ -324,7 +325,10 @@ class Policy:
             base = replace(base, **overrides)  # type: ignore[arg-type]
         return cls(base, rng)
 
-    def decide(self, req: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+    def decide(
+        self, req: RouteRequest, workers: Sequence[WorkerView], *, dry_run: bool = False
+    ) -> Decision:
+        """The choice and its explanation. ``dry_run``: the round-robin position stays."""
         cfg = self.config
         rows = {
             w.id: Candidate(
@@ -345,7 +349,7 @@ class Policy:
             alive = [w for w in alive if w.id not in dropped]
             if not alive:
                 return Decision(None, "no_worker", cfg.name, list(rows.values()))
-        chosen = self._pick(req, alive, rows)
+        chosen = self._pick(req, alive, rows, dry_run)
         row = rows[chosen.id]
         return Decision(
             chosen.id,
@@ -357,13 +361,17 @@ class Policy:
         )
 
     def _pick(
-        self, req: RouteRequest, alive: list[WorkerView], rows: dict[str, Candidate]
+        self,
+        req: RouteRequest,
+        alive: list[WorkerView],
+        rows: dict[str, Candidate],
+        dry_run: bool = False,
     ) -> WorkerView:
         picker = self.config.picker
         if picker == "round-robin":
             ordered = sorted(alive, key=lambda w: w.id)
             chosen = ordered[self._next % len(ordered)]
-            self._next += 1
+            self._next += 0 if dry_run else 1
             return chosen
         if picker == "random":
             return self._rng.choice(alive)

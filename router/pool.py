@@ -22,15 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
 
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import EventSubscriber, Received
@@ -105,6 +106,9 @@ class WorkerState:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     events_seen: int = 0
     last_event_lag_s: float | None = None
+    # counted here, exported by the metrics collector: a removed worker's series go with it
+    decisions: Counter[str] = field(default_factory=Counter)  # by reason
+    mismatches: int = 0
 
     @property
     def id(self) -> str:
@@ -124,7 +128,10 @@ class WorkerState:
             del self.queued[k]
         return sum(t.tokens for t in self.queued.values())
 
-    def view(self, now: float) -> WorkerView:
+    def view(self, now: float, max_load_age: float = 3.0) -> WorkerView:
+        # Load the scrape has not confirmed lately is not known: neither a reason to avoid
+        # the worker (a last reading of a full cache) nor to prefer it.
+        fresh = self.scraped_at is not None and now - self.scraped_at <= max_load_age
         return WorkerView(
             id=self.id,
             role=self.endpoint.role,
@@ -135,8 +142,8 @@ class WorkerState:
             compatible=self.compatible,
             in_flight=self.in_flight,
             queued_tokens=self.queued_tokens(now),
-            kv_usage=self.kv_usage,
-            waiting=None if self.waiting is None else int(self.waiting),
+            kv_usage=self.kv_usage if fresh else None,
+            waiting=None if self.waiting is None or not fresh else int(self.waiting),
             prefill=self.prefill,
         )
 
@@ -198,14 +205,12 @@ class WorkerPool:
         client: httpx.AsyncClient,
         *,
         on_event_batch: Callable[[WorkerState, float | None], None] | None = None,
-        on_mismatch: Callable[[WorkerState], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
         self.client = client
         self.workers: dict[str, WorkerState] = {}
         self._on_event_batch = on_event_batch
-        self._on_mismatch = on_mismatch
         self.changed = asyncio.Event()  # set when a worker becomes routable
 
     # -- membership (from discovery) ------------------------------------------------------
@@ -253,7 +258,8 @@ class WorkerPool:
 
     def views(self, now: float | None = None) -> list[WorkerView]:
         now = time.monotonic() if now is None else now
-        views = [s.view(now) for s in self.workers.values()]
+        max_age = 3 * self.config.scrape_interval_s
+        views = [s.view(now, max_age) for s in self.workers.values()]
         # A worker the router has not yet seen prefill is assumed to be like its peers
         # (same model, same hardware), not like the static prior: a prior slower than
         # the pool would keep a new or idle worker out of rotation for good.
@@ -278,8 +284,11 @@ class WorkerPool:
 
     def mark_down(self, state: WorkerState, why: str) -> None:
         """Out of rotation now, and its index entries dropped (its cache went with it)."""
+        if self.workers.get(state.id) is not state:
+            return  # removed, or replaced under the same id: that one is not down
         if state.status != "down":
             log.warning("worker %s is down: %s", state.id, why)
+        state.kv_usage = state.waiting = state.running = state.scraped_at = None
         state.status = "down"
         self._stop_events(state)
         if state.id in self.index.workers():
@@ -289,19 +298,28 @@ class WorkerPool:
         cfg = self.config
         while True:
             try:
-                resp = await self.client.get(state.url + "/health", timeout=cfg.health_timeout_s)
-            except (httpx.HTTPError, OSError) as exc:
-                self.mark_down(state, f"/health: {type(exc).__name__} {exc}".strip())
-            else:
-                if resp.status_code == 200:
-                    if state.status != "up":
-                        await self._register(state)
-                elif state.status == "up":
-                    log.warning("worker %s answers /health %d", state.id, resp.status_code)
-                    state.status = "unavailable"
-                elif state.status == "registering":
-                    state.status = "unavailable"
+                await self._check_health(state)
+            except Exception:  # a surprise must not freeze the worker in its last status
+                log.exception("worker %s: health check failed", state.id)
+                self.mark_down(state, "health check failed")
             await asyncio.sleep(cfg.health_interval_s)
+
+    async def _check_health(self, state: WorkerState) -> None:
+        try:
+            resp = await self.client.get(
+                state.url + "/health", timeout=self.config.health_timeout_s
+            )
+        except (httpx.HTTPError, OSError) as exc:
+            self.mark_down(state, f"/health: {type(exc).__name__} {exc}".strip())
+            return
+        if resp.status_code == 200:
+            if state.status != "up":
+                await self._register(state)
+        elif state.status == "up":
+            log.warning("worker %s answers /health %d", state.id, resp.status_code)
+            state.status = "unavailable"
+        elif state.status == "registering":
+            state.status = "unavailable"
 
     async def _register(self, state: WorkerState) -> None:
         cfg = self.config
@@ -314,7 +332,7 @@ class WorkerPool:
                 resp.raise_for_status()
                 info = WorkerInfo.model_validate_json(resp.content)
                 state.model = info.served_model_name
-        except (httpx.HTTPError, OSError, ValidationError, ValueError) as exc:
+        except Exception as exc:  # whatever answers there is not a worker we understand
             log.warning("worker %s: registration failed: %s", state.id, exc)
             return
         state.info = info
@@ -324,8 +342,7 @@ class WorkerPool:
             log.error(
                 "worker %s: %s; it gets requests but no cache credit", state.id, state.mismatch
             )
-            if self._on_mismatch:
-                self._on_mismatch(state)
+            state.mismatches += 1
         events = self._events_endpoints(state)
         if state.id not in self.index.workers():
             self.index.add_worker(state.id, tracked=events is not None)
@@ -438,7 +455,7 @@ class WorkerPool:
                 resp = await self.client.get(state.url + "/metrics", timeout=cfg.health_timeout_s)
                 resp.raise_for_status()
                 values = await asyncio.to_thread(parse_load, resp.text)
-            except (httpx.HTTPError, OSError, ValueError) as exc:
+            except Exception as exc:  # no load reading this time; it goes stale, then unknown
                 log.debug("worker %s: /metrics: %s", state.id, exc)
                 continue
             state.kv_usage = values.get("vllm:kv_cache_usage_perc")
@@ -462,7 +479,10 @@ def parse_load(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         if family.name not in LOAD_METRICS:
             continue
-        values = [s.value for s in family.samples if s.name == family.name]
+        # A NaN or an infinity says nothing about load: such samples are left out.
+        values = [
+            s.value for s in family.samples if s.name == family.name and math.isfinite(s.value)
+        ]
         if not values:
             continue
         out[family.name] = max(values) if family.name.endswith("_perc") else sum(values)

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 #: prompts up to this many characters are tokenized on the event loop (a thread hop costs
 #: more than tokenizing them); longer ones in a thread
 INLINE_TOKENIZE_CHARS = 4000
+#: prompts up to this many tokens are hashed on the event loop, longer ones in a thread
+INLINE_HASH_TOKENS = 4096
 #: response headers passed back from the worker
 PASSED_HEADERS = ("content-type", "retry-after")
 
@@ -130,7 +132,6 @@ class Router:
             self.index,
             self.client,
             on_event_batch=self._on_event_batch,
-            on_mismatch=lambda w: self._metrics().mismatches.labels(w.id).inc(),
         )
         self.metrics = RouterMetrics(lambda: list(self._pool().workers.values()), self.index)
         if self.discovery is None:
@@ -267,7 +268,7 @@ class Router:
         body = await self._body(request)
         kind = "chat" if b'"messages"' in body else "completion"
         routed = await self._parse(request, body, kind, check_model=False)
-        decision = self._decide(routed, exclude=set())
+        decision = self._decide(routed, exclude=set(), dry_run=True)
         return JSONResponse(
             {
                 "worker": decision.worker,
@@ -399,7 +400,12 @@ class Router:
                     param="model",
                 )
         tokens = await self._tokenize(req)
-        keys = self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
+        if len(tokens) <= INLINE_HASH_TOKENS:
+            keys = self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
+        else:  # ~0.3 ms per 1000 tokens: long prompts would stall every stream
+            keys = await asyncio.to_thread(
+                self.hasher.prompt_keys, tokens, cache_salt=req.cache_salt
+            )
         return Routed(
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             kind=kind,
@@ -437,7 +443,7 @@ class Router:
             return encode_prompt(self.tokenizer, first)
         return await asyncio.to_thread(encode_prompt, self.tokenizer, first)
 
-    def _decide(self, routed: Routed, exclude: set[str]) -> Decision:
+    def _decide(self, routed: Routed, exclude: set[str], *, dry_run: bool = False) -> Decision:
         pool = self._pool()
         views = [v for v in pool.views() if v.id not in exclude]
         req = RouteRequest(
@@ -446,7 +452,7 @@ class Router:
             matched_blocks=self.index.match(routed.keys),
             model=routed.model if routed.model != self.settings.model else None,
         )
-        return self.policy.decide(req, views)
+        return self.policy.decide(req, views, dry_run=dry_run)
 
     async def _proxy(self, routed: Routed, arrival: float, deadline: float) -> Response:
         s = self.settings
@@ -454,6 +460,7 @@ class Router:
         pool = self._pool()
         tried: set[str] = set()
         failures: list[str] = []
+        suspects: list[WorkerState] = []  # answered 5xx: charged once another worker answers
         last: _Failed | None = None
         for attempt in range(s.max_attempts):
             if attempt:
@@ -468,7 +475,7 @@ class Router:
             if last is not None:  # sent again: the last worker failed before any byte
                 metrics.retries.labels(last.reason).inc()
             state = pool.workers[decision.worker]
-            metrics.decisions.labels(state.id, decision.reason).inc()
+            state.decisions[decision.reason] += 1
             if attempt == 0:
                 metrics.prompt_tokens.inc(routed.num_tokens)
                 metrics.predicted_hit_tokens.inc(decision.cached_tokens)
@@ -482,11 +489,17 @@ class Router:
             tried.add(state.id)
             try:
                 resp = await self._send(state, routed, deadline)
+                # Another worker answered: the 5xx before it were those workers' fault.
+                for suspect in suspects:
+                    suspect.breaker.on_failure(time.monotonic())
+                suspects.clear()
                 return await self._respond(state, ticket, routed, resp, arrival, deadline)
             except _Failed as exc:
                 state.end(ticket)
                 last = exc
                 failures.append(f"{state.id}: {exc}")
+                if exc.reason == "5xx":
+                    suspects.append(state)
             except BaseException:  # cancelled (the client left, shutdown) or a bug
                 state.end(ticket)
                 raise
@@ -532,10 +545,13 @@ class Router:
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("timeout", "no answer before the request timeout", 504) from None
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        except httpx.ConnectError as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
             pool.mark_down(state, f"connection failed: {exc}")
             raise _Failed("connect", f"connection failed ({exc})") from None
+        except httpx.ConnectTimeout as exc:  # perhaps only busy: the health check decides
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("connect", f"connection timed out ({exc})") from None
         except (httpx.HTTPError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
@@ -549,7 +565,8 @@ class Router:
         await resp.aclose()
         if resp.status_code == 429:
             raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
-        state.breaker.on_failure(time.monotonic())
+        # Not charged to the breaker yet: a request that fails on every worker is more
+        # likely bad than every worker broken (see _proxy).
         raise _Failed("5xx", f"{resp.status_code} {_error_message(text)}")
 
     async def _respond(
@@ -680,13 +697,15 @@ class _Relay:
             if not events.done:  # the worker closed the stream without [DONE]
                 self.outcome = "stream_error"
                 state.breaker.on_failure(time.monotonic())
-                yield _sse_error(f"worker {state.id} ended the stream early", "worker_failed")
+                yield events.cut() + _sse_error(
+                    f"worker {state.id} ended the stream early", "worker_failed"
+                )
             else:
                 self.outcome = "stream_error" if events.error else "success"
                 state.breaker.on_success()
         except TimeoutError:
             self.outcome = "timeout"
-            yield _sse_error(
+            yield events.cut() + _sse_error(
                 f"the request timeout ({router.settings.request_timeout_s:g} s) passed", "timeout"
             )
         except (httpx.HTTPError, OSError) as exc:
@@ -695,7 +714,7 @@ class _Relay:
             log.warning(
                 "request %s: worker %s failed mid-stream: %s", self.routed.request_id, state.id, exc
             )
-            yield _sse_error(
+            yield events.cut() + _sse_error(
                 f"worker {state.id} failed mid-stream: {type(exc).__name__}", "worker_failed"
             )
         finally:
@@ -751,6 +770,12 @@ class _SSEWatch:
             event, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
             yield from self._event(event)
 
+    def cut(self) -> bytes:
+        """What ends an event the client got only part of, so that what follows is read
+        as an event of its own (and a half event is dropped by the client's parser)."""
+        cut, self.buffer = (b"\n\n" if self.buffer else b""), b""
+        return cut
+
     def _event(self, event: bytes) -> Iterator[tuple[str, Any]]:
         data = b"\n".join(
             line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
@@ -793,8 +818,9 @@ def _has_token(choice: Any) -> bool:
 
 
 class _Uvicorn(uvicorn.Server):
-    """The first signal stops new requests (health 503) and lets streams in flight finish,
-    up to ``drain_timeout_s``; a second signal stops at once."""
+    """The first signal closes the listening socket (new connections are refused), answers
+    503 to requests on connections still open, and lets the streams in flight finish, up to
+    ``drain_timeout_s`` (uvicorn's graceful shutdown); a second Ctrl-C stops at once."""
 
     def __init__(self, config: uvicorn.Config, router: Router) -> None:
         super().__init__(config)

@@ -61,8 +61,7 @@ class RouterSettings(BaseModel):
             raise ValueError(f"model: {self.model} is not a model directory (no config.json)")
         if self.discovery == "static" and not self.worker:
             raise ValueError("worker: give at least one --worker URL, or --discovery kubernetes")
-        for spec in self.worker:
-            parse_static_worker(spec)  # a bad spec is named here, at start-up
+        self.static_workers()  # a bad or repeated spec is named here, at start-up
         self.policy_config()
         return self
 

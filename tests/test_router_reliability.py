@@ -362,6 +362,29 @@ def test_circuit_breaker_keeps_a_failing_worker_out_until_its_cooldown_passes(
     assert candidate(router.route(body(llama_dir)), "a")["filtered"] is None
 
 
+def test_a_request_that_fails_on_every_worker_opens_no_circuit_breaker(
+    llama_dir: Path,
+    fake_workers: Callable[[int], list[FakeWorker]],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    """A request that makes every worker answer 500 is more likely bad than every worker
+    broken: a few of them must not shut the whole pool out."""
+    fakes = fake_workers(3)
+    for fake in fakes:
+        fake.mode = "500"
+    router = start_router(
+        worker=[f.spec(n) for f, n in zip(fakes, "abc", strict=True)], breaker_failures=2
+    )
+    router.wait_workers_up(3)
+    url = router.url + "/v1/completions"
+    for _ in range(3):
+        assert httpx.post(url, json=body(llama_dir)).status_code == 502
+    assert not any(w["circuit_open"] for w in router.workers().values())
+    for fake in fakes:
+        fake.mode = "ok"
+    assert httpx.post(url, json=body(llama_dir)).status_code == 200
+
+
 @pytest.mark.parametrize("trial", ["429", "400", "client_left"])
 def test_breaker_trial_ending_without_a_verdict_does_not_keep_the_worker_out_for_good(
     llama_dir: Path,
@@ -372,7 +395,7 @@ def test_breaker_trial_ending_without_a_verdict_does_not_keep_the_worker_out_for
     """The half-open trial may end in neither a success nor a worker failure: the worker
     was busy (429), the request was bad (400), or the client left. Another trial follows."""
     (worker,) = fake_workers(1)
-    worker.mode = "500"
+    worker.mode = "cut"  # its answer breaks off: the worker's own failure
     cooldown = 0.5
     router = start_router(
         worker=[worker.spec("a")], breaker_failures=1, breaker_cooldown_s=cooldown

@@ -1,0 +1,70 @@
+"""Small pure pieces of the router's shell: reading a worker's load, watching an SSE stream
+pass, and settings checked at start-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.router.pool import parse_load
+from kvpool.router.server import _SSEWatch
+from kvpool.router.settings import RouterSettings
+
+WORKER_METRICS = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 4.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} NaN
+"""
+
+
+def test_worker_load_sums_engines_and_takes_the_fullest_cache() -> None:
+    load = parse_load(WORKER_METRICS)
+    assert load["vllm:kv_cache_usage_perc"] == 0.75
+    assert load["vllm:num_requests_waiting"] == 7.0
+
+
+def test_a_nan_reading_is_no_reading() -> None:
+    assert "vllm:num_requests_running" not in parse_load(WORKER_METRICS)
+
+
+def event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def test_sse_watch_sees_the_first_token_not_the_role_chunk() -> None:
+    watch = _SSEWatch()
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assert list(watch.feed(role)) == []
+    token = event({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+    # An event may arrive in pieces: it counts when it is whole.
+    assert list(watch.feed(token[:10])) == []
+    assert list(watch.feed(token[10:])) == [("token", None)]
+    usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}
+    assert list(watch.feed(event({"choices": [], "usage": usage}))) == [("usage", usage)]
+    list(watch.feed(b"data: [DONE]\n\n"))
+    assert watch.done and not watch.error
+
+
+def test_an_error_after_half_an_event_starts_an_event_of_its_own() -> None:
+    watch = _SSEWatch()
+    list(watch.feed(b'data: {"choices": [{"text": "hel'))
+    assert watch.cut() == b"\n\n"
+    assert watch.cut() == b""  # nothing pending any more
+
+
+def test_the_same_worker_twice_is_refused_at_start_up(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="the same worker is given twice"):
+        RouterSettings(model=str(llama_dir), worker=["http://h:1", "http://h:1/"])
+
+
+def test_a_scorer_weight_must_be_a_finite_number(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        RouterSettings(model=str(llama_dir), worker=["http://h:1"], scorer=["ttft=nan"])

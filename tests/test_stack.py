@@ -1,0 +1,67 @@
+"""``kvpool up``: the local stack, as a user starts it (a real command, real processes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
+def test_demo_routes_a_shared_system_prompt_to_its_cache(llama_dir: Path) -> None:
+    done = subprocess.run(
+        [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0", "--demo"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"\s*\d+\s+127", line)]
+    assert len(rows) == 6
+    # The first request computes the system prompt; every later one finds it cached.
+    assert int(rows[0][3]) == 0
+    assert all(int(row[3]) > 0 for row in rows[1:])
+    ratio = re.search(r"router hit ratio: ([\d.]+)%", done.stdout)
+    assert ratio and float(ratio.group(1)) > 50
+
+
+def test_sigterm_stops_every_process_of_the_stack(llama_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0"],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        urls = re.findall(r"http://127\.0\.0\.1:\d+", line)
+        assert len(urls) >= 3, line  # the router (twice: its API too) and two workers
+        assert httpx.get(urls[0] + "/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    for url in set(urls):
+        while True:
+            try:
+                httpx.get(url + "/health", timeout=1)
+            except httpx.HTTPError:
+                break  # nothing listens there any more
+            assert time.monotonic() < deadline, f"{url} still answers after the stack stopped"
+            time.sleep(0.1)
