@@ -266,7 +266,11 @@ class Router:
         """A dry run: what the policy would do with this body (a completion or a chat
         request), every worker's line included. Nothing is claimed or sent."""
         body = await self._body(request)
-        kind = "chat" if b'"messages"' in body else "completion"
+        try:
+            is_chat = "messages" in json.loads(body)
+        except (ValueError, TypeError):
+            is_chat = False  # parse_request names what is wrong with it
+        kind = "chat" if is_chat else "completion"
         routed = await self._parse(request, body, kind, check_model=False)
         decision = self._decide(routed, exclude=set(), dry_run=True)
         return JSONResponse(

@@ -68,3 +68,12 @@ def test_the_same_worker_twice_is_refused_at_start_up(llama_dir: Path) -> None:
 def test_a_scorer_weight_must_be_a_finite_number(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="finite"):
         RouterSettings(model=str(llama_dir), worker=["http://h:1"], scorer=["ttft=nan"])
+
+
+def test_debug_route_tells_a_completion_that_mentions_messages_from_a_chat(
+    start_router, llama_dir: Path
+) -> None:
+    router = start_router(worker=["http://127.0.0.1:9"])  # nothing listens: a dry run only
+    decision = router.route({"prompt": "messages"})  # the word, in a completion's prompt
+    assert decision["num_tokens"] > 0 and decision["worker"] is None
+    assert router.route({"messages": [{"role": "user", "content": "hi"}]})["num_tokens"] > 0
