@@ -173,6 +173,23 @@ def fake_workers(
         fake.stop()
 
 
+@pytest.fixture
+def one_fake(
+    fake_workers: Callable[[int], list[FakeWorker]], start_router: Callable[..., RunningRouter]
+) -> Callable[..., tuple[FakeWorker, RunningRouter, str]]:
+    """A router (settings as keywords) in front of one fake worker "a" in ``mode``; returns
+    the worker, the router and its completions URL."""
+
+    def start(mode: str, **settings: Any) -> tuple[FakeWorker, RunningRouter, str]:
+        (fake,) = fake_workers(1)
+        fake.mode = mode
+        router = start_router(worker=[fake.spec("a")], **settings)
+        router.wait_workers_up(1)
+        return fake, router, router.url + "/v1/completions"
+
+    return start
+
+
 def body(llama_dir: Path, **extra: Any) -> dict[str, Any]:
     return {"model": llama_dir.name, "prompt": PROMPT, "max_tokens": 4, **extra}
 
@@ -528,14 +545,9 @@ def test_stream_that_stalls_after_its_first_chunk_ends_with_a_timeout_event(
 
 def test_request_over_the_concurrency_limit_gets_429_with_retry_after(
     llama_dir: Path,
-    fake_workers: Callable[[int], list[FakeWorker]],
-    start_router: Callable[..., RunningRouter],
+    one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
 ) -> None:
-    (fake,) = fake_workers(1)
-    fake.mode = "hang"
-    router = start_router(worker=[fake.spec("a")], max_concurrency=1)
-    router.wait_workers_up(1)
-    url = router.url + "/v1/completions"
+    fake, router, url = one_fake("hang", max_concurrency=1)
 
     with (
         httpx.Client(timeout=5) as client,
@@ -562,14 +574,9 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(
 
 def test_client_leaving_mid_stream_frees_its_slot_and_its_worker(
     llama_dir: Path,
-    fake_workers: Callable[[int], list[FakeWorker]],
-    start_router: Callable[..., RunningRouter],
+    one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
 ) -> None:
-    (fake,) = fake_workers(1)
-    fake.mode = "hang"
-    router = start_router(worker=[fake.spec("a")], max_concurrency=1)
-    router.wait_workers_up(1)
-    url = router.url + "/v1/completions"
+    fake, router, url = one_fake("hang", max_concurrency=1)
 
     with (
         httpx.Client(timeout=5) as client,
@@ -590,14 +597,9 @@ def test_client_leaving_mid_stream_frees_its_slot_and_its_worker(
 
 def test_shutdown_lets_the_stream_in_flight_finish_and_refuses_new_requests(
     llama_dir: Path,
-    fake_workers: Callable[[int], list[FakeWorker]],
-    start_router: Callable[..., RunningRouter],
+    one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
 ) -> None:
-    (fake,) = fake_workers(1)
-    fake.mode = "hang"
-    router = start_router(worker=[fake.spec("a")], drain_timeout_s=10)
-    router.wait_workers_up(1)
-    url = router.url + "/v1/completions"
+    fake, router, url = one_fake("hang", drain_timeout_s=10)
 
     with (
         httpx.Client(timeout=5) as client,
