@@ -105,7 +105,6 @@ class WorkerState:
     events_task: asyncio.Task[None] | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     events_seen: int = 0
-    last_event_lag_s: float | None = None
     # counted here, exported by the metrics collector: a removed worker's series go with it
     decisions: Counter[str] = field(default_factory=Counter)  # by reason
     mismatches: int = 0
@@ -204,13 +203,13 @@ class WorkerPool:
         index: BlockIndex,
         client: httpx.AsyncClient,
         *,
-        on_event_batch: Callable[[WorkerState, float | None], None] | None = None,
+        on_event_lag: Callable[[float], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
         self.client = client
         self.workers: dict[str, WorkerState] = {}
-        self._on_event_batch = on_event_batch
+        self._on_event_lag = on_event_lag
         self.changed = asyncio.Event()  # set when a worker becomes routable
 
     # -- membership (from discovery) ------------------------------------------------------
@@ -425,10 +424,9 @@ class WorkerPool:
                 if isinstance(item, Received):
                     self.index.apply(state.id, item.batch)
                     state.events_seen += len(item.batch.events)
-                    lag = time.time() - item.batch.ts if item.batch.ts > 0 else None
-                    state.last_event_lag_s = lag
-                    if self._on_event_batch:
-                        self._on_event_batch(state, None if item.replayed else lag)
+                    # A replayed batch is late by design: its lag says nothing.
+                    if self._on_event_lag and item.batch.ts > 0 and not item.replayed:
+                        self._on_event_lag(time.time() - item.batch.ts)
                 else:  # events were lost: what the index says of this worker may be wrong
                     self.index.clear_worker(state.id)
         except asyncio.CancelledError:

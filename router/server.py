@@ -42,7 +42,7 @@ from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
 from .metrics import RouterMetrics
 from .policy import Decision, Policy, RouteRequest
-from .pool import PoolConfig, Ticket, WorkerPool, WorkerState
+from .pool import Ticket, WorkerPool, WorkerState
 from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,7 @@ class Routed:
     """A request, tokenized and hashed, ready for the policy."""
 
     request_id: str
-    kind: str  # completion or chat
-    path: str
+    path: str  # the worker's endpoint: completions or chat completions
     body: bytes
     model: str | None
     stream: bool
@@ -80,13 +79,7 @@ class _Failed(Exception):
 
 
 class Router:
-    def __init__(
-        self,
-        settings: RouterSettings,
-        *,
-        discovery: Any | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
+    def __init__(self, settings: RouterSettings) -> None:
         self.settings = s = settings
         self.hasher = BlockHasher(block_size=s.block_size, hash_seed=s.hash_seed)
         self.policy = Policy(s.policy_config())
@@ -95,8 +88,7 @@ class Router:
             approx_ttl=s.approx_ttl_s,
             approx_capacity_blocks=s.approx_capacity_blocks,
         )
-        self.discovery = discovery
-        self._transport = transport
+        self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.client: httpx.AsyncClient | None = None
         self.pool: WorkerPool | None = None
@@ -113,39 +105,24 @@ class Router:
         s = self.settings
         self.tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         self.client = httpx.AsyncClient(
-            transport=self._transport,
             timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
         )
-        pool_config = PoolConfig(
-            block_size=s.block_size,
-            hash_seed=s.hash_seed,
-            served_model_name=s.served_model_name,
-            health_interval_s=s.health_interval_s,
-            health_timeout_s=s.health_timeout_s,
-            scrape_interval_s=s.scrape_interval_s,
-            breaker_failures=s.breaker_failures,
-            breaker_cooldown_s=s.breaker_cooldown_s,
-        )
         self.pool = WorkerPool(
-            pool_config,
-            self.index,
-            self.client,
-            on_event_batch=self._on_event_batch,
+            s.pool_config(), self.index, self.client, on_event_lag=self._on_event_lag
         )
         self.metrics = RouterMetrics(lambda: list(self._pool().workers.values()), self.index)
-        if self.discovery is None:
-            if s.discovery == "kubernetes":
-                from .discovery import KubernetesDiscovery
+        if s.discovery == "kubernetes":
+            from .discovery import KubernetesDiscovery
 
-                self.discovery = KubernetesDiscovery(
-                    s.namespace,
-                    s.selector,
-                    int(s.worker_port) if s.worker_port.isdigit() else s.worker_port,
-                    role_label=s.role_label,
-                )
-            else:
-                self.discovery = StaticDiscovery(s.static_workers())
+            self.discovery = KubernetesDiscovery(
+                s.namespace,
+                s.selector,
+                int(s.worker_port) if s.worker_port.isdigit() else s.worker_port,
+                role_label=s.role_label,
+            )
+        else:
+            self.discovery = StaticDiscovery(s.static_workers())
         self._discovery_task = asyncio.create_task(self._discover())
         log.info("router ready: policy %s, %s", s.policy, self.hasher.fingerprint)
 
@@ -179,8 +156,8 @@ class Router:
         assert self.metrics is not None
         return self.metrics
 
-    def _on_event_batch(self, state: WorkerState, lag: float | None) -> None:
-        if lag is not None and self.metrics is not None:
+    def _on_event_lag(self, lag: float) -> None:
+        if self.metrics is not None:
             self.metrics.event_lag.observe(max(lag, 0.0))
 
     # -- app ------------------------------------------------------------------------------
@@ -412,7 +389,6 @@ class Router:
             )
         return Routed(
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-            kind=kind,
             path="/v1/chat/completions" if kind == "chat" else "/v1/completions",
             body=body,
             model=req.model,
@@ -634,31 +610,22 @@ class Router:
             metrics.realised_hit_tokens.inc(cached)
 
 
+@dataclass
 class _Relay:
     """The worker's SSE stream passed on as it arrives, with the router's TTFT and
     inter-token latencies taken from it; a failure mid-stream ends it with an error event.
     :meth:`close` releases the worker and the router's slot exactly once, whether the
     stream ended, failed, or never started because the client had already gone."""
 
-    def __init__(
-        self,
-        router: Router,
-        state: WorkerState,
-        ticket: Ticket,
-        routed: Routed,
-        resp: httpx.Response,
-        arrival: float,
-        deadline: float,
-    ) -> None:
-        self.router = router
-        self.state = state
-        self.ticket = ticket
-        self.routed = routed
-        self.resp = resp
-        self.arrival = arrival
-        self.deadline = deadline
-        self.outcome = "cancelled"
-        self.closed = False
+    router: Router
+    state: WorkerState
+    ticket: Ticket
+    routed: Routed
+    resp: httpx.Response
+    arrival: float
+    deadline: float
+    outcome: str = "cancelled"
+    closed: bool = False
 
     async def close(self) -> None:
         if self.closed:

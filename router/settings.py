@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 
 from .discovery import WorkerEndpoint, parse_static_worker
 from .policy import POLICIES, SCORERS, PolicyConfig
+from .pool import PoolConfig
 
 ENV_PREFIX = "KVPOOL_ROUTER_"
 
@@ -75,6 +77,10 @@ class RouterSettings(BaseModel):
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker: the same worker is given twice in {ids}")
         return endpoints
+
+    def pool_config(self) -> PoolConfig:
+        """The worker pool's settings: the fields both share, by name."""
+        return PoolConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PoolConfig)})
 
     def policy_config(self) -> PolicyConfig:
         from dataclasses import replace

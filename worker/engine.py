@@ -24,6 +24,7 @@ import torch
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher, block_key
 from kvpool.kv_events import KVCacheEvent
 from kvpool.openai_api import MAX_LOGPROBS
+from kvpool.tokenization import encode_prompt
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer, DetokenizerState
@@ -341,7 +342,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParam("prompt", "prompt: this engine has no tokenizer; give token ids")
-            token_ids = list(self.tokenizer.encode(prompt))
+            token_ids = encode_prompt(self.tokenizer, prompt)  # as the router does
         else:
             token_ids = list(prompt)
             self.check_vocabulary(token_ids, "prompt", "token id")
