@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,31 +35,12 @@ from typing import Any
 
 import httpx
 
+from kvpool.stack import free_port, free_port_range, wait_healthy
+
 RESULTS = Path(__file__).parent / "results"
 KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
 POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only")
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the process exited ({proc.returncode})")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{url} did not become healthy")
-        time.sleep(0.2)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -257,10 +237,10 @@ def main() -> int:
     model = Path(args.model)
     if not (model / "config.json").is_file():
         subprocess.run([*KVPOOL, "worker", "make-tiny-model", str(model)], env=ENV, check=True)
-    base = free_port()
+    base, events = free_port_range(args.workers), free_port_range(args.workers)
     fleet_argv = [*KVPOOL, "worker", "sim-fleet", "--model", str(model)]
     fleet_argv += ["--count", str(args.workers), "--base-port", str(base), "--processes", "2"]
-    fleet_argv += ["--kv-events-base-port", str(free_port() + 2000)]
+    fleet_argv += ["--kv-events-base-port", str(events)]
     fleet_argv += ["--max-model-len", "8192", "--num-blocks", "8192"]
     fleet_argv += ["--sim-time-scale", str(args.time_scale), "--max-waiting-tokens", "400000"]
     fleet = subprocess.Popen(fleet_argv, env=ENV, stdout=subprocess.DEVNULL)

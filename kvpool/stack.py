@@ -23,8 +23,17 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Stack", "StackError", "free_port", "run_demo"]
+__all__ = [
+    "Stack",
+    "StackError",
+    "free_port",
+    "free_port_range",
+    "healthy",
+    "run_demo",
+    "wait_healthy",
+]
 
 
 class StackError(RuntimeError):
@@ -69,12 +78,25 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the server at ``url`` answers ``/health`` with 200 within a second."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as resp:
             return resp.status == 200
     except OSError:
         return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 120.0) -> None:
+    """Until the server ``proc`` runs at ``url`` is healthy; :class:`StackError` if the
+    process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise StackError(f"{url}: the process exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise StackError(f"{url} did not become healthy in {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 @dataclass
@@ -148,7 +170,7 @@ class Stack:
             if any(p.poll() is not None for p in self.procs):
                 self.stop()
                 raise StackError(f"a process of the stack exited while the {what} started")
-            pending = [u for u in pending if not _healthy(u)]
+            pending = [u for u in pending if not healthy(u)]
             if pending and time.monotonic() > deadline:
                 self.stop()
                 raise StackError(f"the {what} did not become healthy in {timeout:.0f} s")

@@ -21,6 +21,7 @@ from kvpool.kv_events import (
     ResyncNeeded,
     parse_frames,
 )
+from kvpool.stack import StackError, free_port, wait_healthy
 
 DATA = Path(__file__).parent / "data"
 
@@ -249,6 +250,19 @@ def engine_factory(tiny_model: tuple[Any, Any]) -> Callable[..., Any]:
     return make
 
 
+def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a server's ``/metrics`` (parsed by prometheus_client), by name and
+    labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 class RunningServer:
     """A server of ours on 127.0.0.1 (``url``), run by uvicorn in a thread of the test process."""
 
@@ -262,15 +276,7 @@ class RunningServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of ``/metrics`` (parsed by prometheus_client), by name and labels."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
+        return read_metrics(self.url)
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
@@ -347,23 +353,18 @@ def start_worker(
 # -- the router ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerProcess:
     """A ``kvpool worker serve`` process (the simulated engine by default): a worker the test
-    can kill like a crashed pod."""
+    can kill like a crashed pod. ``log``: a file for its output, shown if it fails to start."""
 
-    def __init__(self, model: Path, engine: str = "sim", **flags: Any) -> None:
+    def __init__(
+        self, model: Path, engine: str = "sim", log: Path | None = None, **flags: Any
+    ) -> None:
         import os
         import subprocess
         import sys
 
+        self.log = log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{free_port()}"
@@ -378,25 +379,31 @@ class WorkerProcess:
             if value is not None:  # None: leave the setting unset (no KV events, say)
                 argv += ["--" + name.replace("_", "-"), str(value)]
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+        if log is None:
+            self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+        else:
+            with log.open("wb") as out:
+                self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {self.url} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.url} did not become healthy")
-            time.sleep(0.1)
+        try:
+            wait_healthy(self.url, self.proc, timeout)
+        except StackError as exc:
+            self.kill()
+            output = f"\n{self.log.read_text()}" if self.log else ""
+            raise RuntimeError(f"worker {self.url} did not start: {exc}{output}") from None
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The first sample of ``name`` whose labels include ``labels`` (0 if none)."""
+        for (sample, have), value in read_metrics(self.url).items():
+            if sample == name and set(labels.items()) <= set(have):
+                return value
+        return 0.0
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         import signal

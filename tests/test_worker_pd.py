@@ -4,11 +4,7 @@ to a local prefill with the same answer."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,74 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RunningWorker
+from conftest import RunningWorker, WorkerProcess
 
 PROMPT = (
     "A router in front of a pool of inference workers reads every prompt, cuts it into blocks "
     "of sixteen tokens, and hashes each block together with the hash of the block before it."
 )
-KVPOOL = str(Path(sys.executable).with_name("kvpool"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class WorkerProcess:
-    """``kvpool worker serve`` as a separate process."""
-
-    def __init__(self, model: Path, role: str, tmp: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"{role}-{self.port}.log"
-        args = [
-            KVPOOL,
-            "worker",
-            "serve",
-            "--model",
-            str(model),
-            "--role",
-            role,
-            "--port",
-            str(self.port),
-            "--num-blocks",
-            "128",
-            "--device",
-            "cpu",
-            "--drain-timeout-s",
-            "1",
-        ]
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{role} worker did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-
-    def metric(self, name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -93,8 +27,21 @@ def processes(llama_dir: Path, tmp_path: Path) -> Iterator[Any]:
     started: list[WorkerProcess] = []
 
     def start(role: str) -> WorkerProcess:
-        started.append(WorkerProcess(llama_dir, role, tmp_path))
-        return started[-1]
+        log = tmp_path / f"{role}-{len(started)}.log"
+        worker = WorkerProcess(
+            llama_dir,
+            engine="kvpool",
+            log=log,
+            role=role,
+            num_blocks=128,
+            device="cpu",
+            drain_timeout_s=1,
+            kv_events_endpoint=None,
+            kv_events_replay_endpoint=None,
+        )
+        started.append(worker)
+        worker.wait_healthy()
+        return worker
 
     yield start
     for p in started:
