@@ -47,11 +47,9 @@ from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-#: prompts up to this many characters are tokenized on the event loop (a thread hop costs
-#: more than tokenizing them); longer ones in a thread
-INLINE_TOKENIZE_CHARS = 4000
-#: prompts up to this many tokens are hashed on the event loop, longer ones in a thread
-INLINE_HASH_TOKENS = 4096
+#: prompts up to this many characters (or token ids) are tokenized and hashed on the event
+#: loop, where a thread hop would cost more; longer ones, and chats, in a thread
+INLINE_PROMPT_SIZE = 4000
 #: response headers passed back from the worker
 PASSED_HEADERS = ("content-type", "retry-after")
 
@@ -380,13 +378,7 @@ class Router:
                     code="model_not_found",
                     param="model",
                 )
-        tokens = await self._tokenize(req)
-        if len(tokens) <= INLINE_HASH_TOKENS:
-            keys = self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
-        else:  # ~0.3 ms per 1000 tokens: long prompts would stall every stream
-            keys = await asyncio.to_thread(
-                self.hasher.prompt_keys, tokens, cache_salt=req.cache_salt
-            )
+        tokens, keys = await self._tokens_and_keys(req)
         return Routed(
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             path="/v1/chat/completions" if kind == "chat" else "/v1/completions",
@@ -397,31 +389,45 @@ class Router:
             keys=keys,
         )
 
-    async def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    async def _tokens_and_keys(
+        self, req: CompletionRequest | ChatCompletionRequest
+    ) -> tuple[list[int], list[int]]:
+        """The prompt's token ids and block keys. A chat (its template rendered) and a long
+        prompt are done in a thread: hashing alone takes ~0.3 ms per 1000 tokens, which
+        would stall every stream the router relays."""
         if isinstance(req, ChatCompletionRequest):
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
 
-            def render() -> list[int]:
-                return render_chat(
-                    self.tokenizer,
-                    messages,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    chat_template_kwargs=req.chat_template_kwargs,
-                )
+            def tokenize() -> list[int]:
+                try:
+                    return render_chat(
+                        self.tokenizer,
+                        messages,
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        chat_template_kwargs=req.chat_template_kwargs,
+                    )
+                except ValueError as exc:
+                    raise OpenAIError(400, str(exc), param="messages") from None
 
-            try:
-                return await asyncio.to_thread(render)
-            except ValueError as exc:
-                raise OpenAIError(400, str(exc), param="messages") from None
-        prompts = req.prompts()
-        if not prompts:
-            raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        # A batch of prompts goes to one worker: it is routed by its first prompt.
-        first = prompts[0]
-        if len(first) <= INLINE_TOKENIZE_CHARS:
-            return encode_prompt(self.tokenizer, first)
-        return await asyncio.to_thread(encode_prompt, self.tokenizer, first)
+            inline = False
+        else:
+            prompts = req.prompts()
+            if not prompts:
+                raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+            # A batch of prompts goes to one worker: it is routed by its first prompt.
+            first = prompts[0]
+
+            def tokenize() -> list[int]:
+                return encode_prompt(self.tokenizer, first)
+
+            inline = len(first) <= INLINE_PROMPT_SIZE
+
+        def tokens_and_keys() -> tuple[list[int], list[int]]:
+            tokens = tokenize()
+            return tokens, self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
+
+        return tokens_and_keys() if inline else await asyncio.to_thread(tokens_and_keys)
 
     def _decide(self, routed: Routed, exclude: set[str], *, dry_run: bool = False) -> Decision:
         pool = self._pool()
