@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench run demo clean
+.PHONY: install test lint format pytest bench run demo crd clean
 
 install: $(STAMP)
 
@@ -55,6 +55,10 @@ run: install
 # tokens and TTFT of each, then the router's hit ratio), and stop.
 demo: install
 	$(VENV)/bin/kvpool up --workers $(WORKERS) --engine $(ENGINE) --port 0 --demo
+
+# The InferencePool CRD, generated from the API models (a test fails when it drifts).
+crd: install
+	$(VENV)/bin/kvpool crd -o crds/inferencepool.yaml
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis *.egg-info

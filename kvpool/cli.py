@@ -3,10 +3,13 @@
 * ``kvpool hash``: block keys of a token list, to check that a worker (ours or vLLM) and
   the router agree on block size and seed;
 * ``kvpool events listen``: follow a worker's KV event stream as JSON lines;
+* ``kvpool crd``: the InferencePool CustomResourceDefinition, generated from ``kvpool.api``;
+* ``kvpool check``: validate InferencePool manifests as the operator will;
 * ``kvpool up``: the local stack, a router and N workers on loopback (``--demo`` sends a
   few requests through it and stops);
 * ``kvpool worker ...``: the inference worker's commands (``kvpool[worker]``);
-* ``kvpool router ...``: the KV-aware router's commands (``kvpool[router]``).
+* ``kvpool router ...``: the KV-aware router's commands (``kvpool[router]``);
+* ``kvpool operator ...``: the Kubernetes operator's commands (``kvpool[operator]``).
 
 A component's commands live in that component (``kvpool.worker.cli``): the core only
 names the module and imports it when its command is run, so ``kvpool hash`` needs neither
@@ -96,7 +99,37 @@ def _cmd_listen(args: argparse.Namespace) -> int:
 COMPONENTS = {
     "worker": ("kvpool.worker.cli", "worker", "the inference worker: serve, make-tiny-model"),
     "router": ("kvpool.router.cli", "router", "the KV-aware router: serve, route"),
+    "operator": ("kvpool.operator.cli", "operator", "the Kubernetes operator: run, render"),
 }
+
+
+def _cmd_crd(args: argparse.Namespace) -> int:
+    from .api.crd import crd_yaml
+
+    text = crd_yaml()
+    if args.output in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as f:
+            f.write(text)
+        print(f"kvpool crd: wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .api.manifests import ManifestError, load_pools
+
+    failed = 0
+    for path in args.files:
+        try:
+            pools = load_pools(path)
+        except ManifestError as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        for name, _ in pools:
+            print(f"{path}: InferencePool {name}: valid")
+    return 1 if failed else 0
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -213,6 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-seq", type=int, default=None, help="replay from this sequence first")
     p.add_argument("--count", type=int, default=0, help="stop after this many lines (0: never)")
     p.set_defaults(func=_cmd_listen)
+
+    p = sub.add_parser("crd", help="print (or write) the InferencePool CRD")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    p.set_defaults(func=_cmd_crd)
+
+    p = sub.add_parser("check", help="validate InferencePool manifests (YAML) as the operator will")
+    p.add_argument("files", nargs="+", help="YAML files; other kinds in them are skipped")
+    p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("up", help="run a router and N workers on loopback (Ctrl-C stops them)")
     p.add_argument("--model", default=DEFAULT_STACK_MODEL, help="model directory (default: "

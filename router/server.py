@@ -118,6 +118,8 @@ class Router:
                 s.selector,
                 int(s.worker_port) if s.worker_port.isdigit() else s.worker_port,
                 role_label=s.role_label,
+                events_port=s.worker_events_port,
+                replay_port=s.worker_replay_port,
             )
         else:
             self.discovery = StaticDiscovery(s.static_workers())

@@ -31,6 +31,9 @@ class RouterSettings(BaseModel):
     selector: str = "kvpool.io/component=worker"
     worker_port: str = "8000"  # a number or a container port name
     role_label: str = "kvpool.io/role"
+    # Where a discovered worker publishes KV events, for workers without /kvpool/info (vLLM)
+    worker_events_port: int | None = Field(None, ge=1, le=65535)
+    worker_replay_port: int | None = Field(None, ge=1, le=65535)
     # hashing: must be the workers'
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
     hash_seed: str = DEFAULT_HASH_SEED

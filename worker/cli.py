@@ -6,6 +6,8 @@
   a quick check that a model directory loads and generates;
 * ``serve --model DIR``: the OpenAI-compatible worker server (``--engine sim`` for the
   simulated engine);
+* ``drain --port P``: ask the worker on this host to stop taking requests and wait until
+  those in flight are done (a pod's preStop hook);
 * ``sim-fleet --model DIR --count N``: N simulated workers in one process, on consecutive
   ports.
 
@@ -60,6 +62,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         line = {"text": done.text, "token_ids": done.token_ids, "finish": done.finish_reason}
         print(json.dumps(line, ensure_ascii=False))
     return 0
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{args.host}:{args.port}/drain"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST")) as resp:
+            body = json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"kvpool worker drain: {url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(body))
+    return 0 if body.get("drained") else 1
 
 
 def _settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -181,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API")
     _settings_arguments(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("drain", help="drain the worker on this host (waits for its requests)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_cmd_drain)
 
     p = sub.add_parser("sim-fleet", help="run N simulated workers in one process")
     p.add_argument("--count", type=int, required=True, help="how many workers")

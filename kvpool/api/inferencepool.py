@@ -1,0 +1,505 @@
+"""The ``InferencePool`` resource (``kvpool.io/v1alpha1``): the one source of its schema.
+
+The CRD in ``crds/`` is generated from these models (``kvpool crd``), and the operator
+validates every spec it reconciles with them, so a field means the same thing to
+``kubectl``, to the API server and to the operator. Field names are camelCase on the wire,
+as everywhere in Kubernetes; Python code uses the snake_case attribute names.
+
+Not to be confused with the Gateway API Inference Extension's ``InferencePool``
+(group ``inference.networking.k8s.io``): ours is ``kubectl get kvpool``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from .rules import Rule, RuledModel
+
+GROUP = "kvpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferencePool"
+PLURAL = "inferencepools"
+SINGULAR = "inferencepool"
+SHORT_NAMES = ("kvpool",)
+
+# Children are named <pool>-prefill, <pool>-decode, <pool>-router...; Service names are
+# DNS labels of at most 63 characters, which leaves this much for the pool's own name.
+MAX_NAME_LENGTH = 48
+ROLES = ("prefill", "decode")
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# A resource quantity ("8Gi", "500m", 1) or a count-or-percentage ("25%", 1): integers or
+# strings on the wire, which the CRD marks x-kubernetes-int-or-string.
+Quantity = Annotated[int | Annotated[str, Field(pattern=QUANTITY_PATTERN)], "int-or-string"]
+IntOrPercent = Annotated[int | Annotated[str, Field(pattern=r"^[0-9]+%$")], "int-or-string"]
+# Kubernetes objects we pass through to pods as they are (affinity, tolerations, env
+# sources): the API server checks them when the Deployment is written.
+FreeForm = dict[str, Any]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+
+class Spec(BaseModel):
+    """Base of every part of the spec: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class RuledSpec(Spec, RuledModel):
+    pass
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+class PVCSource(Spec):
+    """Weights on a PersistentVolumeClaim, mounted read-only by every worker and router."""
+
+    claim_name: str = Field(min_length=1, max_length=253)
+    path: str = Field(
+        "",
+        max_length=1024,
+        pattern=r"^([A-Za-z0-9_-][A-Za-z0-9_./-]*)?$",
+        description="directory of the model inside the claim (relative; empty: its root)",
+    )
+
+
+class HostPathSource(Spec):
+    """Weights in a directory of the node (single-node clusters, kind, pre-staged nodes)."""
+
+    path: str = Field(min_length=2, max_length=1024, pattern=r"^/")
+
+
+class ImageSource(Spec):
+    """Weights baked into the worker image at an absolute path."""
+
+    path: str = Field(min_length=2, max_length=1024, pattern=r"^/")
+
+
+class BuiltinSource(Spec):
+    """A tiny random model made when the pod starts: for trying kvpool on CPU, no download."""
+
+    name: Literal["tiny-llama"] = "tiny-llama"
+    seed: int = Field(0, ge=0)
+
+
+class ModelSource(RuledSpec):
+    """Where the weights are: exactly one of pvc, hostPath, image, builtin."""
+
+    rules = (
+        Rule(
+            cel="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
+            " + (has(self.image) ? 1 : 0) + (has(self.builtin) ? 1 : 0) == 1",
+            message="give exactly one model source: pvc, hostPath, image or builtin",
+            check=lambda s: (
+                sum(x is not None for x in (s.pvc, s.host_path, s.image, s.builtin)) == 1
+            ),
+        ),
+    )
+
+    pvc: PVCSource | None = None
+    host_path: HostPathSource | None = None
+    image: ImageSource | None = None
+    builtin: BuiltinSource | None = None
+
+
+class ModelSpec(Spec):
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        description="the model name clients send (OpenAI `model`)",
+    )
+    source: ModelSource
+    tokenizer: str | None = Field(
+        None,
+        max_length=1024,
+        description="vLLM only: a tokenizer directory or Hugging Face id, if not the model's",
+    )
+    max_model_len: int | None = Field(None, ge=16)
+
+
+# --- engine ---------------------------------------------------------------------------------
+
+
+class EnvVar(Spec):
+    """A container environment variable, as in a pod spec."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: FreeForm | None = None
+
+
+class KVEventsSpec(Spec):
+    """The KV event stream each worker publishes and the router indexes."""
+
+    enabled: bool = True
+    port: int = Field(5557, ge=1, le=65535)
+    replay_port: int = Field(5558, ge=1, le=65535)
+    topic: str = Field("", max_length=255)
+
+
+class KVTransferSpec(Spec):
+    """How a decode worker pulls a prefill worker's KV blocks (disaggregated pools)."""
+
+    connector: Literal["NixlConnector"] = Field(
+        "NixlConnector", description="vLLM's connector; kvpool workers move blocks over HTTP"
+    )
+    side_channel_port: int = Field(5600, ge=1, le=65535, description="vLLM NIXL handshake port")
+    pin_timeout_seconds: float = Field(
+        30.0, gt=0, description="free a prefilled request's blocks if not pulled by then"
+    )
+
+
+class EngineSpec(RuledSpec):
+    rules = (
+        Rule(
+            cel="!has(self.type) || self.type != 'vllm' || !has(self.hashSeed)"
+            " || self.hashSeed.matches('^[0-9]+$')",
+            message="engine.hashSeed must be a decimal integer for vllm (it is PYTHONHASHSEED)",
+            check=lambda s: s.type != "vllm" or s.hash_seed.isdigit(),
+        ),
+        Rule(
+            cel="!has(self.type) || self.type != 'vllm' || !has(self.blockSize)"
+            " || self.blockSize in [1, 8, 16, 32, 64, 128, 256]",
+            message="engine.blockSize for vllm is one of 1, 8, 16, 32, 64, 128, 256",
+            check=lambda s: s.type != "vllm" or s.block_size in VLLM_BLOCK_SIZES,
+        ),
+        Rule(
+            cel="!has(self.kvEvents) || !has(self.kvEvents.port) || !has(self.kvEvents.replayPort)"
+            " || self.kvEvents.port != self.kvEvents.replayPort",
+            message="engine.kvEvents.port and replayPort must differ",
+            check=lambda s: s.kv_events.port != s.kv_events.replay_port,
+        ),
+    )
+
+    type: Literal["kvpool", "vllm"] = "kvpool"
+    image: str | None = Field(None, max_length=1024, description="default: the operator's")
+    image_pull_policy: PullPolicy | None = None
+    port: int = Field(8000, ge=1, le=65535)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (router agrees)")
+    hash_seed: str = Field("0", min_length=1, max_length=64)
+    args: list[str] = Field(default_factory=list, description="appended to the engine's own")
+    env: list[EnvVar] = Field(default_factory=list)
+    kv_events: KVEventsSpec = Field(default_factory=KVEventsSpec)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+
+
+# --- roles ----------------------------------------------------------------------------------
+
+
+class ResourceRequirements(Spec):
+    """As in a container: e.g. limits: {nvidia.com/gpu: 1, memory: 40Gi}."""
+
+    model_config = ConfigDict(extra="forbid")  # keys are resource names: no aliasing
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class RolloutSpec(RuledSpec):
+    """The rolling update of a role's Deployment (GPUs are scarce: surge is one pod)."""
+
+    rules = (
+        Rule(
+            cel="!(has(self.maxSurge) && has(self.maxUnavailable)"
+            " && string(self.maxSurge) in ['0', '0%']"
+            " && string(self.maxUnavailable) in ['0', '0%'])",
+            message="rollout.maxSurge and rollout.maxUnavailable cannot both be zero",
+            check=lambda s: (
+                not (str(s.max_surge) in ("0", "0%") and str(s.max_unavailable) in ("0", "0%"))
+            ),
+        ),
+    )
+
+    max_surge: IntOrPercent = 1
+    max_unavailable: IntOrPercent = 0
+
+
+class RoleSpec(Spec):
+    """One kind of worker: its Deployment's size and scheduling."""
+
+    replicas: int = Field(1, ge=0, le=1000, description="ignored while autoscaling is Active")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[FreeForm] = Field(default_factory=list)
+    affinity: FreeForm | None = None
+    termination_grace_period_seconds: int = Field(
+        120, ge=0, description="time to finish requests in flight on scale-down or rollout"
+    )
+    args: list[str] = Field(default_factory=list, description="appended after engine.args")
+    env: list[EnvVar] = Field(default_factory=list)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    pod_template: FreeForm | None = Field(
+        None,
+        description="a partial pod template merged over the rendered one"
+        " (containers by name; the worker container is named 'worker')",
+    )
+
+
+class DisaggregationSpec(Spec):
+    """Aggregated: decode workers serve whole requests. Disaggregated: every request is
+    prefilled on a prefill worker. Auto: only requests with more uncached prompt tokens than
+    thresholdTokens are."""
+
+    mode: Literal["Aggregated", "Disaggregated", "Auto"] = "Aggregated"
+    threshold_tokens: int = Field(512, ge=0)
+
+
+# --- router ---------------------------------------------------------------------------------
+
+
+class RouterServiceSpec(Spec):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(80, ge=1, le=65535)
+
+
+class RouterSpec(Spec):
+    replicas: int = Field(1, ge=1, le=100)
+    image: str | None = Field(None, max_length=1024, description="default: the operator's")
+    image_pull_policy: PullPolicy | None = None
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    policy: Literal["kvpool", "round-robin", "random", "least-loaded", "prefix-only"] = "kvpool"
+    scorers: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, description="scorer name -> weight; replaces the policy's"
+    )
+    settings: dict[Annotated[str, Field(pattern=r"^[a-z][a-zA-Z0-9]*$")], str] = Field(
+        default_factory=dict,
+        description="other router settings by camelCase name, e.g. maxConcurrency: '512'",
+    )
+    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[FreeForm] = Field(default_factory=list)
+
+
+# --- SLO and autoscaling --------------------------------------------------------------------
+
+
+class SLOSpec(RuledSpec):
+    """Latency targets at a quantile: what the autoscaler scales for and SLOMet reports."""
+
+    rules = (
+        Rule(
+            cel="has(self.ttftMilliseconds) || has(self.itlMilliseconds)",
+            message="slo needs ttftMilliseconds, itlMilliseconds or both",
+            check=lambda s: s.ttft_milliseconds is not None or s.itl_milliseconds is not None,
+        ),
+    )
+
+    quantile: float = Field(0.9, gt=0, lt=1)
+    ttft_milliseconds: float | None = Field(None, gt=0, description="time to first token")
+    itl_milliseconds: float | None = Field(None, gt=0, description="inter-token latency")
+
+
+class ReplicaBounds(RuledSpec):
+    rules = (
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="minReplicas must not exceed maxReplicas",
+            check=lambda s: s.min_replicas <= s.max_replicas,
+        ),
+    )
+
+    min_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+
+
+class ScalingBehavior(Spec):
+    stabilization_window_seconds: int = Field(ge=0, le=3600)
+    max_step: int = Field(ge=1, le=100, description="most replicas added or removed at once")
+
+
+class AutoscalingSpec(RuledSpec):
+    rules = (
+        Rule(
+            cel="!has(self.enabled) || !self.enabled || has(self.decode)",
+            message="autoscaling.decode (minReplicas, maxReplicas) is required when enabled",
+            check=lambda s: not s.enabled or s.decode is not None,
+        ),
+    )
+
+    enabled: bool = False
+    mode: Literal["Active", "Advisory"] = Field(
+        "Active", description="Advisory records recommendations in status and changes nothing"
+    )
+    interval_seconds: int = Field(15, ge=5, le=3600)
+    window_seconds: int = Field(120, ge=15, le=3600, description="metrics window of quantiles")
+    cooldown_seconds: int = Field(60, ge=0, le=3600)
+    prefill: ReplicaBounds | None = None
+    decode: ReplicaBounds | None = None
+    scale_up: ScalingBehavior = Field(
+        default_factory=lambda: ScalingBehavior(stabilization_window_seconds=60, max_step=2)
+    )
+    scale_down: ScalingBehavior = Field(
+        default_factory=lambda: ScalingBehavior(stabilization_window_seconds=300, max_step=1)
+    )
+    kv_usage_target: float = Field(0.85, gt=0, le=1)
+    waiting_per_replica_target: float = Field(2.0, gt=0)
+
+
+# --- the spec -------------------------------------------------------------------------------
+
+_MODE = (
+    "(has(self.disaggregation) && has(self.disaggregation.mode)"
+    " ? self.disaggregation.mode : 'Aggregated')"
+)
+_AUTOSCALING = (
+    "(has(self.autoscaling) && has(self.autoscaling.enabled) && self.autoscaling.enabled)"
+)
+_ENGINE = "(has(self.engine) && has(self.engine.type) ? self.engine.type : 'kvpool')"
+
+
+class InferencePoolSpec(RuledSpec):
+    """An inference pool: one model served by prefill and decode workers behind a router."""
+
+    rules = (
+        Rule(
+            cel=f"{_MODE} == 'Aggregated' || has(self.prefill)",
+            message="prefill is required when disaggregation.mode is Disaggregated or Auto",
+            check=lambda s: s.disaggregation.mode == "Aggregated" or s.prefill is not None,
+        ),
+        Rule(
+            cel=f"{_MODE} != 'Aggregated' || !has(self.prefill)",
+            message="prefill must be omitted when disaggregation.mode is Aggregated"
+            " (decode workers then serve whole requests)",
+            check=lambda s: s.disaggregation.mode != "Aggregated" or s.prefill is None,
+        ),
+        Rule(
+            cel=f"!{_AUTOSCALING} || {_MODE} == 'Aggregated' || has(self.autoscaling.prefill)",
+            message="autoscaling.prefill (minReplicas, maxReplicas) is required when"
+            " autoscaling is enabled in a Disaggregated or Auto pool",
+            check=lambda s: (
+                not s.autoscaling.enabled
+                or s.disaggregation.mode == "Aggregated"
+                or s.autoscaling.prefill is not None
+            ),
+        ),
+        Rule(
+            cel=f"!{_AUTOSCALING} || has(self.slo)",
+            message="slo is required when autoscaling is enabled: it scales to meet it",
+            check=lambda s: not s.autoscaling.enabled or s.slo is not None,
+        ),
+        Rule(
+            cel=f"!has(self.model.tokenizer) || {_ENGINE} == 'vllm'",
+            message="model.tokenizer is for vllm workers; kvpool workers read the tokenizer"
+            " from the model directory",
+            check=lambda s: s.model.tokenizer is None or s.engine.type == "vllm",
+        ),
+    )
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    disaggregation: DisaggregationSpec = Field(default_factory=DisaggregationSpec)
+    prefill: RoleSpec | None = None
+    decode: RoleSpec = Field(default_factory=RoleSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    slo: SLOSpec | None = None
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+
+    def roles(self) -> dict[str, RoleSpec]:
+        """The worker roles this pool runs, by name: decode always, prefill if disaggregated."""
+        roles = {"decode": self.decode}
+        if self.prefill is not None:
+            roles = {"prefill": self.prefill, **roles}
+        return roles
+
+    def worker_role_label(self, role: str) -> str:
+        """What the router reads from a pod's ``kvpool.io/role``: may it serve whole requests?"""
+        if role == "prefill":
+            return "prefill"
+        return "decode" if self.disaggregation.mode == "Disaggregated" else "both"
+
+    def autoscaled(self, role: str) -> bool:
+        """True when the autoscaler, not the spec, owns this role's replica count."""
+        a = self.autoscaling
+        return a.enabled and a.mode == "Active" and getattr(a, role) is not None
+
+
+# --- status ---------------------------------------------------------------------------------
+
+
+class Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(Status):
+    type: Literal["Ready", "Progressing", "Degraded", "AutoscalingActive", "SLOMet"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = None
+
+
+class RoleStatus(Status):
+    desired_replicas: int = 0
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    summary: str = Field("0/0", description="ready/desired, as kubectl shows it")
+
+
+class RouterStatus(Status):
+    endpoint: str = Field(description="the router Service's in-cluster URL (OpenAI API at /v1)")
+    ready_replicas: int = 0
+    replicas: int = 0
+
+
+class ScalingDecision(Status):
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    role: str
+    current: int
+    desired: int
+    reason: str
+    applied: bool = Field(description="false in Advisory mode, or when nothing changed")
+
+
+class AutoscalerStatus(Status):
+    last_evaluation_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    ttft_seconds: float | None = Field(None, description="TTFT at the SLO quantile, windowed")
+    itl_seconds: float | None = None
+    recommendation: dict[str, ScalingDecision] = Field(default_factory=dict)
+    decisions: list[ScalingDecision] = Field(
+        default_factory=list, max_length=5, description="the last five changes recommended"
+    )
+
+
+class InferencePoolStatus(Status):
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded"] = "Pending"
+    conditions: list[Condition] = Field(default_factory=list)
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+    router: RouterStatus | None = None
+    autoscaler: AutoscalerStatus | None = None
+
+
+def validate_pool(name: str, spec: Any) -> InferencePoolSpec:
+    """The spec as a model, or a ValueError naming every problem (field path: message)."""
+    from pydantic import ValidationError
+
+    problems = []
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(f"metadata.name: at most {MAX_NAME_LENGTH} characters, got {len(name)}")
+    try:
+        pool = InferencePoolSpec.model_validate(spec)
+    except ValidationError as e:
+        problems.extend(_describe(err) for err in e.errors())
+        pool = None
+    if problems:
+        raise ValueError("; ".join(problems))
+    assert pool is not None
+    return pool
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(p) for p in ("spec", *err["loc"]))
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}"

@@ -1,0 +1,400 @@
+"""The SLO autoscaler: how many replicas each role of a pool should run, and why.
+
+A pure function of (policy, signals, state), so that every decision can be replayed and
+tested over simulated time; the operator's loop only gathers the signals, calls
+:func:`decide` and writes ``spec.replicas``.
+
+Each signal is turned into a *pressure*: observed value over its target, where 1 means
+"exactly at target". A role's proposal follows the Horizontal Pod Autoscaler:
+``ceil(current * highest pressure)``, unless the highest pressure is within the tolerance
+of 1. Proposals are then stabilised the way the HPA's ``behavior`` does it: a scale-up goes
+only as far as the *lowest* proposal of the scale-up window (the pressure was sustained),
+a scale-down only as far as the *highest* proposal of the scale-down window (the calm
+was sustained), after which step limits, a cooldown and a readiness check apply.
+
+Which signals a role reads:
+
+* **prefill** (or, in an aggregated pool, the decode role, which prefills too): TTFT at the
+  SLO quantile over its target, and the prefill backlog. The backlog pressure is the
+  seconds of prefill work queued per ready replica (queued tokens / learned prefill rate)
+  over the TTFT target: above 1, the queue alone would break the SLO for a new request,
+  before TTFT itself shows it.
+* **decode**: ITL over its target, mean KV-cache usage over ``kv_usage_target``, and
+  waiting requests per ready replica over ``waiting_per_replica_target``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+DECODE = "decode"
+PREFILL = "prefill"
+
+# ceil() of a product like 3 * (2/3) must not round 2.0000000000000004 up to 3.
+_EPS = 1e-9
+
+
+# -- policy ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_replicas: int
+    max_replicas: int
+
+    def __post_init__(self) -> None:
+        # No scale to zero: a role without replicas shows no load, so nothing would ever
+        # bring it back.
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
+            )
+
+    def clamp(self, n: int) -> int:
+        return min(max(n, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class Behavior:
+    stabilization_window_s: float
+    max_step: int  # replicas added or removed per decision, at most
+
+    def __post_init__(self) -> None:
+        if not self.stabilization_window_s >= 0:
+            raise ValueError(
+                f"stabilization_window_s must be >= 0, got {self.stabilization_window_s}"
+            )
+        if self.max_step < 1:
+            raise ValueError(f"max_step must be >= 1, got {self.max_step}")
+
+
+DEFAULT_SCALE_UP = Behavior(stabilization_window_s=60.0, max_step=2)
+DEFAULT_SCALE_DOWN = Behavior(stabilization_window_s=300.0, max_step=1)
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    decode: Bounds
+    prefill: Bounds | None = None  # None: aggregated pool, "decode" serves whole requests
+    ttft_target_s: float | None = None  # at ttft_quantile; None: no TTFT SLO
+    itl_target_s: float | None = None  # at itl_quantile; None: no ITL SLO
+    scale_up: Behavior = DEFAULT_SCALE_UP
+    scale_down: Behavior = DEFAULT_SCALE_DOWN
+    cooldown_s: float = 60.0  # after a change of a role, no other change of it for this long
+    kv_usage_target: float = 0.85
+    waiting_per_replica_target: float = 2.0
+    tolerance: float = 0.1  # |pressure - 1| within this: no change (as the HPA's)
+    # The quantiles the signals were measured at: named in reasons, and what the operator
+    # asks of its MetricsWindow.
+    ttft_quantile: float = 0.9
+    itl_quantile: float = 0.9
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_target_s", "itl_target_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if not 0 < self.kv_usage_target <= 1:
+            raise ValueError(f"kv_usage_target must be in (0, 1], got {self.kv_usage_target}")
+        if not self.waiting_per_replica_target > 0:
+            raise ValueError(
+                f"waiting_per_replica_target must be > 0, got {self.waiting_per_replica_target}"
+            )
+        if not self.cooldown_s >= 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        for name in ("ttft_quantile", "itl_quantile"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+    def roles(self) -> dict[str, Bounds]:
+        if self.prefill is None:
+            return {DECODE: self.decode}
+        return {PREFILL: self.prefill, DECODE: self.decode}
+
+
+# -- signals -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoleSignals:
+    replicas: int  # the Deployment's current spec.replicas
+    ready_replicas: int
+    waiting_requests: float | None = None  # sum over the role's pods
+    kv_usage: float | None = None  # mean over the role's pods, 0..1
+    queued_prefill_tokens: float | None = None  # sum over the role's workers, at the router
+    prefill_rate_tokens_per_s: float | None = None  # median learned rate of its workers
+
+
+@dataclass(frozen=True)
+class Signals:
+    time: float
+    ttft_s: float | None  # TTFT at the SLO quantile over the window; None: no data
+    itl_s: float | None
+    decode: RoleSignals
+    prefill: RoleSignals | None = None
+
+
+# -- decisions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    role: str
+    current: int
+    desired: int
+    raw: int  # the proposal before stabilisation and bounds
+    reason: str  # a short sentence for status and logs
+    time: float
+
+
+@dataclass(frozen=True)
+class RoleHistory:
+    """What stabilisation needs to remember of one role."""
+
+    proposals: tuple[tuple[float, int], ...] = ()  # (time, bounded proposal), oldest first
+    since: float | None = None  # first proposal of the current unbroken run of proposals
+    last_change: float | None = None  # when desired last differed from current
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """Frozen, and replaced rather than changed: a caller's old state stays as it was."""
+
+    roles: Mapping[str, RoleHistory] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Pressure:
+    ratio: float  # observed / target
+    observed: str  # "TTFT p90 0.82s"
+    target: str  # "0.50s"
+
+    def compared(self) -> str:
+        sign = ">" if self.ratio > 1 else "<" if self.ratio < 1 else "="
+        return f"{self.observed} {sign} target {self.target}"
+
+
+def _pct(q: float) -> str:
+    return f"p{q * 100:g}"
+
+
+def _pressures(
+    policy: ScalingPolicy, signals: Signals, rs: RoleSignals, *, prefills: bool, decodes: bool
+) -> tuple[list[_Pressure], list[str]]:
+    """The role's pressures, and the names of the signals it wanted but had no data for."""
+    out: list[_Pressure] = []
+    missing: list[str] = []
+    per_replica = max(rs.ready_replicas, 1)
+    if prefills and policy.ttft_target_s is not None:
+        target = policy.ttft_target_s
+        if signals.ttft_s is None:
+            missing.append("TTFT")
+        else:
+            out.append(
+                _Pressure(
+                    signals.ttft_s / target,
+                    f"TTFT {_pct(policy.ttft_quantile)} {signals.ttft_s:.2f}s",
+                    f"{target:.2f}s",
+                )
+            )
+        rate = rs.prefill_rate_tokens_per_s
+        if rs.queued_prefill_tokens is None or rate is None or not rate > 0:
+            missing.append("backlog")
+        else:
+            tokens = rs.queued_prefill_tokens / per_replica
+            seconds = tokens / rate
+            out.append(
+                _Pressure(
+                    seconds / target,
+                    f"prefill backlog {tokens:.0f} tokens/replica ({seconds:.2f}s)",
+                    f"{target:.2f}s",
+                )
+            )
+    if decodes:
+        if policy.itl_target_s is not None:
+            if signals.itl_s is None:
+                missing.append("ITL")
+            else:
+                out.append(
+                    _Pressure(
+                        signals.itl_s / policy.itl_target_s,
+                        f"ITL {_pct(policy.itl_quantile)} {signals.itl_s * 1000:.0f}ms",
+                        f"{policy.itl_target_s * 1000:.0f}ms",
+                    )
+                )
+        if rs.kv_usage is None:
+            missing.append("KV usage")
+        else:
+            out.append(
+                _Pressure(
+                    rs.kv_usage / policy.kv_usage_target,
+                    f"KV usage {rs.kv_usage:.2f}",
+                    f"{policy.kv_usage_target:.2f}",
+                )
+            )
+        if rs.waiting_requests is None:
+            missing.append("waiting requests")
+        else:
+            waiting = rs.waiting_requests / per_replica
+            out.append(
+                _Pressure(
+                    waiting / policy.waiting_per_replica_target,
+                    f"waiting {waiting:.1f} requests/replica",
+                    f"{policy.waiting_per_replica_target:g}",
+                )
+            )
+    return out, missing
+
+
+def _or_list(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _decide_role(
+    role: str,
+    bounds: Bounds,
+    policy: ScalingPolicy,
+    signals: Signals,
+    rs: RoleSignals,
+    history: RoleHistory,
+    *,
+    prefills: bool,
+    decodes: bool,
+) -> tuple[Recommendation, RoleHistory]:
+    now = signals.time
+    current = rs.replicas
+
+    def result(
+        desired: int, raw: int, reason: str, h: RoleHistory
+    ) -> tuple[Recommendation, RoleHistory]:
+        if desired != current:
+            h = RoleHistory(h.proposals, h.since, now)
+        return Recommendation(role, current, desired, raw, reason, now), h
+
+    pressures, missing = _pressures(policy, signals, rs, prefills=prefills, decodes=decodes)
+    outside = bounds.clamp(current) != current
+    if outside:
+        where = "below min" if current < bounds.min_replicas else "above max"
+        limit = bounds.min_replicas if current < bounds.min_replicas else bounds.max_replicas
+        bounds_reason = f"bounds: {current} replicas, {where} {limit}"
+
+    if not pressures:
+        # Nothing to go on: keep what runs, and start the stabilisation windows afresh when
+        # data comes back, so a scale-down needs a whole window of new evidence.
+        fresh = RoleHistory((), None, history.last_change)
+        if outside:
+            return result(bounds.clamp(current), current, bounds_reason, fresh)
+        if missing:
+            reason = f"hold: no {_or_list(missing)} metrics"
+        else:
+            reason = "hold: no SLO target or metric applies to this role"
+        return result(current, current, reason, fresh)
+
+    top = max(pressures, key=lambda p: p.ratio)
+    within = abs(top.ratio - 1) <= policy.tolerance
+    if within:
+        raw = current
+    else:
+        raw = math.ceil(current * top.ratio - _EPS)
+    proposal = bounds.clamp(raw)
+
+    horizon = now - max(
+        policy.scale_up.stabilization_window_s, policy.scale_down.stabilization_window_s
+    )
+    kept = tuple(p for p in history.proposals if p[0] >= horizon)
+    since = history.since if history.since is not None else now
+    h = RoleHistory((*kept, (now, proposal)), since, history.last_change)
+
+    if outside:
+        return result(bounds.clamp(current), raw, bounds_reason, h)
+
+    up_window = policy.scale_up.stabilization_window_s
+    down_window = policy.scale_down.stabilization_window_s
+    up_rec = min(p for t, p in h.proposals if t >= now - up_window)
+    down_rec = max(p for t, p in h.proposals if t >= now - down_window)
+    covered = since <= now - down_window
+
+    if proposal == current:
+        if within:
+            return result(current, raw, f"hold: within tolerance: {top.compared()}", h)
+        if raw == current:  # e.g. 0.8 of 3 replicas still rounds up to 3
+            reason = f"hold: {top.compared()} rounds to {current} replicas"
+            return result(current, raw, reason, h)
+        limit = "max" if raw > current else "min"
+        return result(current, raw, f"hold: at {limit} {current}: {top.compared()}", h)
+
+    if proposal > current:
+        if up_rec <= current:
+            reason = f"hold: scale-up to {proposal} not yet sustained for {up_window:g}s"
+            return result(current, raw, f"{reason}: {top.compared()}", h)
+        desired = min(up_rec, current + policy.scale_up.max_step)
+        note = f" (step limit {policy.scale_up.max_step})" if desired < up_rec else ""
+        if rs.ready_replicas < current:
+            reason = (
+                f"hold: {current - rs.ready_replicas} of {current} replicas not ready yet; "
+                f"no scale-up until they are: {top.compared()}"
+            )
+            return result(current, raw, reason, h)
+        action = f"scale up: {top.compared()}{note}"
+    else:
+        if not covered:
+            reason = (
+                f"hold: scale-down to {proposal} waits for {down_window:g}s of proposals "
+                f"(have {now - since:g}s)"
+            )
+            return result(current, raw, f"{reason}: {top.compared()}", h)
+        if down_rec >= current:
+            reason = f"hold: scale-down to {proposal} not yet sustained for {down_window:g}s"
+            return result(current, raw, f"{reason}: {top.compared()}", h)
+        desired = max(down_rec, current - policy.scale_down.max_step)
+        note = f" (step limit {policy.scale_down.max_step})" if desired > down_rec else ""
+        action = f"scale down: {top.compared()}{note}"
+
+    if history.last_change is not None and now - history.last_change < policy.cooldown_s:
+        ago = now - history.last_change
+        reason = f"hold: cooldown, last change {ago:g}s ago (< {policy.cooldown_s:g}s): {action}"
+        return result(current, raw, reason, h)
+    return result(desired, raw, action, h)
+
+
+def decide(
+    policy: ScalingPolicy, signals: Signals, state: AutoscalerState
+) -> tuple[dict[str, Recommendation], AutoscalerState]:
+    """Each role's desired replicas at ``signals.time``, and the state to pass next time.
+
+    A role of the policy without signals (a prefill Deployment not created yet) gets no
+    recommendation and keeps its history.
+    """
+    recs: dict[str, Recommendation] = {}
+    histories = dict(state.roles)
+    aggregated = policy.prefill is None
+    for role, bounds in policy.roles().items():
+        rs = signals.decode if role == DECODE else signals.prefill
+        if rs is None:
+            logger.debug("no signals for role %s: no recommendation", role)
+            continue
+        rec, histories[role] = _decide_role(
+            role,
+            bounds,
+            policy,
+            signals,
+            rs,
+            histories.get(role, RoleHistory()),
+            prefills=role == PREFILL or aggregated,
+            decodes=role == DECODE,
+        )
+        logger.debug(
+            "%s: %d -> %d (raw %d): %s", role, rec.current, rec.desired, rec.raw, rec.reason
+        )
+        recs[role] = rec
+    return recs, AutoscalerState(histories)

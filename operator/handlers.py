@@ -1,0 +1,320 @@
+"""The kopf handlers: each gathers what it needs, calls a pure function, and acts.
+
+* create / update / resume of an InferencePool -> :func:`sync` (validate, render, apply,
+  prune, status);
+* any event on a child (edited or deleted by hand, or a Deployment's pods becoming ready)
+  -> :func:`sync` of its pool, which restores the child and refreshes the status;
+* one daemon per pool: every ``autoscaling.intervalSeconds`` it scrapes the router and the
+  workers, asks :mod:`kvpool.operator.autoscaler` for replicas, applies them (``Active``)
+  or only records them (``Advisory``), and syncs the pool again as a safety net.
+
+Status is written in one place, :func:`sync`, from :func:`kvpool.operator.status.build_status`.
+kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from kvpool.api import API_VERSION, GROUP, KIND, PLURAL, VERSION, validate_pool
+from kvpool.api.inferencepool import InferencePoolSpec
+
+from . import settings as settings_module
+from .cluster import Cluster
+from .render import GROUP_LABEL, MANAGED_BY, POOL_LABEL, render, router_endpoint
+from .status import Observed, build_status
+
+log = logging.getLogger(__name__)
+
+SETTINGS: settings_module.OperatorSettings | None = None
+_cluster: Cluster | None = None
+_cluster_lock = threading.Lock()
+
+
+def operator_settings() -> settings_module.OperatorSettings:
+    global SETTINGS
+    if SETTINGS is None:
+        SETTINGS = settings_module.from_environment()
+    return SETTINGS
+
+
+def cluster() -> Cluster:
+    global _cluster
+    with _cluster_lock:
+        if _cluster is None:
+            _cluster = Cluster()
+        return _cluster
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class PoolRuntime:
+    """What the operator knows of a pool between handler calls (not in the API server)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: bool = False
+    autoscaler_status: dict[str, Any] | None = None
+    slo: tuple[str, str, str] | None = None
+    autoscaling: tuple[str, str, str] | None = None
+    scaler: Any = None  # the autoscaler's state and metrics window (see autoscale_step)
+
+
+_pools: dict[tuple[str, str], PoolRuntime] = {}
+_pools_lock = threading.Lock()
+
+
+def runtime(namespace: str, name: str) -> PoolRuntime:
+    with _pools_lock:
+        return _pools.setdefault((namespace, name), PoolRuntime())
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod, its service account; elsewhere ``KUBECONFIG`` as it is set now (the
+    ``kubernetes`` client reads that variable once, when first imported)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _cluster
+    with _cluster_lock:
+        _cluster = None  # made at first use, from the credentials of this run
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvpool.io", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 8
+    operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
+
+
+# --- the pool -------------------------------------------------------------------------------
+
+
+def _autoscaled_paths(spec: InferencePoolSpec, child: dict[str, Any]) -> list[tuple[str, ...]]:
+    group = (child["metadata"].get("labels") or {}).get(GROUP_LABEL)
+    if child["kind"] == "Deployment" and group and spec.autoscaled(group):
+        return [("spec", "replicas")]
+    return []
+
+
+def _describe_api_error(exc: ApiException, child: dict[str, Any]) -> str:
+    import json
+
+    try:
+        message = json.loads(exc.body or "{}").get("message") or exc.reason
+    except ValueError:
+        message = exc.reason
+    return f"{child['kind']} {child['metadata']['name']}: {exc.status} {message}"
+
+
+def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: bool = True) -> None:
+    """Bring the pool's children in line with its spec and write its status. Concurrent
+    calls for one pool coalesce: a call that finds one running leaves it one more round."""
+    rt = runtime(namespace, name)
+    if not rt.lock.acquire(blocking=False):
+        rt.pending = True
+        return
+    try:
+        while True:
+            rt.pending = False
+            _sync_once(namespace, name, body, prune, rt)
+            body = None  # later rounds read the pool afresh
+            if not rt.pending:
+                break
+    finally:
+        rt.lock.release()
+
+
+def _sync_once(
+    namespace: str, name: str, body: dict[str, Any] | None, prune: bool, rt: PoolRuntime
+) -> None:
+    c = cluster()
+    body = body if body is not None else c.pool(namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        return  # gone or going: garbage collection removes the children
+    meta = body["metadata"]
+    generation = int(meta.get("generation", 0) or 0)
+    previous = body.get("status") or {}
+    try:
+        spec: InferencePoolSpec | None = validate_pool(name, body.get("spec") or {})
+        error = None
+    except ValueError as exc:
+        spec, error = None, str(exc)
+        log.warning("InferencePool %s/%s: invalid spec, children left as they are: %s",
+                    namespace, name, error)  # fmt: skip
+
+    deployments: dict[str, Any] = {}
+    apply_error = None
+    if spec is not None:
+        children = render(name, namespace, spec, operator_settings().images())
+        owner = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": name, "uid": meta["uid"]},
+        }
+        kopf.append_owner_reference(children, owner=owner)
+        for child in children:
+            try:
+                live = c.apply(child, unowned=_autoscaled_paths(spec, child))
+            except ApiException as exc:
+                apply_error = _describe_api_error(exc, child)
+                log.error("InferencePool %s/%s: %s", namespace, name, apply_error)
+                continue
+            if child["kind"] == "Deployment":
+                labels = child["metadata"]["labels"]
+                deployments[labels.get(GROUP_LABEL) or "router"] = live
+        if prune and apply_error is None:
+            c.prune(namespace, name, meta["uid"], children)
+        endpoint = router_endpoint(name, namespace, spec)
+    else:
+        for group in ("router", "prefill", "decode"):
+            deployments[group] = c.deployment(namespace, f"{name}-{group}")
+        endpoint = (previous.get("router") or {}).get("endpoint")
+    observed = Observed(
+        generation=generation,
+        deployments=deployments,
+        error=error,
+        apply_error=apply_error,
+        autoscaler=rt.autoscaler_status if spec is not None else previous.get("autoscaler"),
+        slo=rt.slo,
+        autoscaling=rt.autoscaling,
+    )
+    status = build_status(spec, observed, previous, now(), endpoint)
+    if status != {k: previous.get(k) for k in status}:
+        c.patch_status(namespace, name, status)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    sync(namespace, name, _plain(body))
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    """kopf's live body view as plain data (what the API server sent)."""
+    import copy
+
+    return copy.deepcopy(dict(body))
+
+
+# --- the children ---------------------------------------------------------------------------
+
+_CHILD_KINDS = (
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+
+
+def child_changed(event: dict[str, Any], body: kopf.Body, namespace: str, **_: Any) -> None:
+    """A child was added, changed or deleted (by us, by its controller or by hand)."""
+    labels = body.get("metadata", {}).get("labels") or {}
+    owners = body.get("metadata", {}).get("ownerReferences") or []
+    pool = labels.get(POOL_LABEL)
+    if not pool or not any(o.get("kind") == KIND and o.get("name") == pool for o in owners):
+        return
+    # A child that is edited back or re-created by this very sync causes one more, quiet one.
+    sync(namespace, pool, prune=False)
+
+
+for _group, _version, _plural in _CHILD_KINDS:
+    kopf.on.event(_group, _version, _plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY})(
+        child_changed
+    )
+
+
+# --- the loop: autoscaling and resync -------------------------------------------------------
+#
+# One thread for every pool, not a kopf daemon or timer per pool: those put a finalizer on
+# each pool, and a finalizer left behind by an uninstalled operator blocks the pool's
+# deletion. Pools enter the loop from their watch events and leave it when deleted.
+
+_due: dict[tuple[str, str], float] = {}
+_loop_stop = threading.Event()
+_loop_thread: threading.Thread | None = None
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def pool_seen(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
+    key = (namespace, name)
+    with _pools_lock:
+        if event.get("type") == "DELETED":
+            _due.pop(key, None)
+            _pools.pop(key, None)
+        else:
+            _due.setdefault(key, 0.0)
+
+
+def _loop() -> None:
+    import time
+
+    while not _loop_stop.wait(0.5):
+        with _pools_lock:
+            due = [k for k, t in _due.items() if t <= time.monotonic()]
+        for namespace, name in due:
+            interval = tick(namespace, name)
+            with _pools_lock:
+                if (namespace, name) in _due:
+                    _due[(namespace, name)] = time.monotonic() + interval
+
+
+def tick(namespace: str, name: str) -> float:
+    """One round for a pool: measure (and scale) if it asks to, then resync. Returns the
+    seconds until its next round."""
+    from .scaling import autoscale_step
+
+    settings = operator_settings()
+    interval = settings.resync_interval_s
+    rt = runtime(namespace, name)
+    try:
+        body = cluster().pool(namespace, name)
+        if body is None:
+            return interval
+        try:
+            spec = validate_pool(name, body.get("spec") or {})
+        except ValueError:
+            spec = None
+        if spec is not None and (spec.autoscaling.enabled or spec.slo is not None):
+            interval = min(interval, spec.autoscaling.interval_seconds)
+            autoscale_step(cluster(), namespace, name, spec, rt, now(), settings.scrape_timeout_s)
+        elif spec is not None:
+            rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
+        sync(namespace, name)
+    except Exception:  # the next round tries again; the pool keeps serving
+        log.exception("InferencePool %s/%s: periodic round failed", namespace, name)
+    return interval
+
+
+@kopf.on.startup()
+def start_loop(**_: Any) -> None:
+    global _loop_thread
+    _loop_stop.clear()
+    _loop_thread = threading.Thread(target=_loop, name="kvpool-operator-loop", daemon=True)
+    _loop_thread.start()
+
+
+@kopf.on.cleanup()
+def stop_loop(**_: Any) -> None:
+    _loop_stop.set()
+    if _loop_thread is not None:
+        _loop_thread.join(timeout=10)
+    with _pools_lock:
+        _due.clear()
+        _pools.clear()

@@ -1,0 +1,621 @@
+"""From an InferencePool spec to the Kubernetes objects that run it: pure functions.
+
+``render`` returns every child of a pool, in the order they are applied. Nothing here
+talks to an API server: the kopf handlers apply what this returns (and adopt it), the
+tests compare it with golden manifests, and ``kvpool operator render`` prints it.
+
+Names: ``<pool>-prefill`` and ``<pool>-decode`` (worker Deployments, headless Services and
+PodDisruptionBudgets), ``<pool>-router`` (the router's Deployment, Service, ConfigMap,
+ServiceAccount, Role, RoleBinding and PodDisruptionBudget).
+
+Labels: every child carries the standard ``app.kubernetes.io/*`` labels and
+``kvpool.io/pool``; worker pods carry ``kvpool.io/role`` (prefill, decode or both), which the
+router reads. A Deployment's selector is immutable, so it selects on ``kvpool.io/group``
+(the Deployment's role), never on ``kvpool.io/role``, which changes with the
+disaggregation mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool import __version__
+from kvpool.api.inferencepool import EngineSpec, InferencePoolSpec, RoleSpec
+
+Manifest = dict[str, Any]
+
+MANAGED_BY = "kvpool-operator"
+POOL_LABEL = "kvpool.io/pool"
+GROUP_LABEL = "kvpool.io/group"
+ROLE_LABEL = "kvpool.io/role"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+CONFIG_HASH = "kvpool.io/config-hash"
+
+ROUTER_PORT = 8080
+MODEL_MOUNT = "/models/source"
+TOKENIZER_COPY = "/models/tokenizer"
+WORKER_CONTAINER = "worker"
+ROUTER_CONTAINER = "router"
+# Weights and other bulk files a router does not need from a model baked into an image.
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt")
+
+
+@dataclass(frozen=True)
+class Images:
+    """Default images, from the operator's settings; a pool's spec may name its own."""
+
+    worker: str = f"ghcr.io/kvpool/kvpool-worker:{__version__}"
+    worker_cpu: str = f"ghcr.io/kvpool/kvpool-worker:{__version__}-cpu"
+    vllm: str = "vllm/vllm-openai:v0.11.0"
+    router: str = f"ghcr.io/kvpool/kvpool-router:{__version__}"
+
+
+# --- labels and names -----------------------------------------------------------------------
+
+
+def pool_labels(pool: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvpool",
+        "app.kubernetes.io/instance": pool,
+        COMPONENT_LABEL: component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/version": __version__,
+        POOL_LABEL: pool,
+    }
+
+
+def selector_labels(pool: str, component: str, group: str | None = None) -> dict[str, str]:
+    labels = {POOL_LABEL: pool, COMPONENT_LABEL: component}
+    if group:
+        labels[GROUP_LABEL] = group
+    return labels
+
+
+def worker_selector(pool: str) -> str:
+    """The label selector the router's discovery watches: every worker of this pool."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pool, "worker").items())
+
+
+def _meta(pool: str, namespace: str, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    labels = pool_labels(pool, component)
+    labels.update(extra.pop("labels", {}))
+    return {"name": name, "namespace": namespace, "labels": labels, **extra}
+
+
+# --- model ----------------------------------------------------------------------------------
+
+
+def model_dir(spec: InferencePoolSpec) -> str:
+    """Where workers read the model, inside their container."""
+    src = spec.model.source
+    if src.pvc is not None:
+        return f"{MODEL_MOUNT}/{src.pvc.path}".rstrip("/")
+    if src.image is not None:
+        return src.image.path
+    if src.builtin is not None:
+        return f"{MODEL_MOUNT}/{src.builtin.name}"
+    return MODEL_MOUNT  # hostPath
+
+
+def _model_volume(spec: InferencePoolSpec) -> Manifest | None:
+    src = spec.model.source
+    if src.pvc is not None:
+        return {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": src.pvc.claim_name, "readOnly": True},
+        }
+    if src.host_path is not None:
+        return {"name": "model", "hostPath": {"path": src.host_path.path, "type": "Directory"}}
+    if src.builtin is not None:
+        return {"name": "model", "emptyDir": {}}
+    return None  # baked into the image
+
+
+def _builtin_init(spec: InferencePoolSpec, images: Images) -> Manifest | None:
+    """The init container that writes the built-in tiny model (same seed: same tokenizer)."""
+    src = spec.model.source.builtin
+    if src is None:
+        return None
+    return {
+        "name": "make-model",
+        "image": images.worker_cpu,
+        "command": ["kvpool", "worker", "make-tiny-model"],
+        "args": [model_dir(spec), "--seed", str(src.seed)],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+    }
+
+
+# --- workers --------------------------------------------------------------------------------
+
+
+def _env(items: list[Any]) -> list[Manifest]:
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in items]
+
+
+def _pod_ip_env() -> Manifest:
+    return {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def _kvpool_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest:
+    engine = spec.engine
+    role_spec = spec.roles()[role]
+    args = [
+        "--model", model_dir(spec),
+        "--served-model-name", spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(engine.port),
+        "--role", spec.worker_role_label(role),
+        "--block-size", str(engine.block_size),
+        "--hash-seed", engine.hash_seed,
+        "--drain-timeout-s", str(max(role_spec.termination_grace_period_seconds - 5, 0)),
+    ]  # fmt: skip
+    if spec.model.max_model_len:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if engine.kv_events.enabled:
+        args += [
+            "--kv-events-endpoint", f"tcp://*:{engine.kv_events.port}",
+            "--kv-events-replay-endpoint", f"tcp://*:{engine.kv_events.replay_port}",
+            "--kv-events-topic", engine.kv_events.topic,
+        ]  # fmt: skip
+    if spec.prefill is not None:
+        args += ["--kv-pin-timeout-s", f"{engine.kv_transfer.pin_timeout_seconds:g}"]
+    gpu = "nvidia.com/gpu" in {**role_spec.resources.requests, **role_spec.resources.limits}
+    return {
+        "name": WORKER_CONTAINER,
+        "image": engine.image or (images.worker if gpu else images.worker_cpu),
+        "command": ["kvpool", "worker", "serve"],
+        "args": args + engine.args + role_spec.args,
+        "env": [_pod_ip_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "lifecycle": {
+            # Stop taking requests and finish those in flight before SIGTERM arrives.
+            "preStop": {
+                "exec": {"command": ["kvpool", "worker", "drain", "--port", str(engine.port)]}
+            },
+        },
+    }
+
+
+def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest:
+    engine = spec.engine
+    role_spec = spec.roles()[role]
+    args = [
+        model_dir(spec),
+        "--served-model-name", spec.model.name,
+        "--host", "0.0.0.0",
+        "--port", str(engine.port),
+        "--block-size", str(engine.block_size),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo", "sha256_cbor",
+    ]  # fmt: skip
+    if spec.model.tokenizer:
+        args += ["--tokenizer", spec.model.tokenizer]
+    if spec.model.max_model_len:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if engine.kv_events.enabled:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{engine.kv_events.port}",
+            "replay_endpoint": f"tcp://*:{engine.kv_events.replay_port}",
+            "topic": engine.kv_events.topic,
+        }
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    env = [
+        _pod_ip_env(),
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # vLLM seeds its block hashes from PYTHONHASHSEED: the router must use the same.
+        {"name": "PYTHONHASHSEED", "value": engine.hash_seed},
+    ]
+    if spec.prefill is not None:
+        transfer = {"kv_connector": engine.kv_transfer.connector, "kv_role": "kv_both"}
+        args += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+        transfer_env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "$(POD_IP)",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(engine.kv_transfer.side_channel_port),
+            "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(int(engine.kv_transfer.pin_timeout_seconds)),
+        }
+        env += [{"name": k, "value": v} for k, v in transfer_env.items()]
+    return {
+        "name": WORKER_CONTAINER,
+        "image": engine.image or images.vllm,
+        "command": ["vllm", "serve"],
+        "args": args + engine.args + role_spec.args,
+        "env": env,
+        "lifecycle": {
+            # vLLM has no drain endpoint: give the router (which drops a terminating pod at
+            # once) time to stop sending before SIGTERM ends the server.
+            "preStop": {"exec": {"command": ["sleep", "10"]}},
+        },
+    }
+
+
+def _worker_ports(engine: EngineSpec) -> list[Manifest]:
+    ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
+    if engine.kv_events.enabled:
+        ports += [
+            {"name": "kv-events", "containerPort": engine.kv_events.port, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": engine.kv_events.replay_port, "protocol": "TCP"},
+        ]
+    if engine.type == "vllm":
+        port = engine.kv_transfer.side_channel_port
+        ports.append({"name": "nixl", "containerPort": port, "protocol": "TCP"})
+    return ports
+
+
+def _probes(port: str) -> Manifest:
+    """Started: /health answers 200 (model loaded; up to 30 min for big weights). Ready:
+    /health is 200 (503 while loading or draining). Alive: the port accepts connections, so
+    a worker that is draining is not killed for answering 503."""
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 10,
+            "failureThreshold": 180,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "tcpSocket": {"port": port},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def _resources(resources: Any) -> Manifest:
+    out = {}
+    for key in ("requests", "limits"):
+        values = getattr(resources, key)
+        if values:
+            out[key] = {k: str(v) for k, v in values.items()}
+    return out
+
+
+def worker_deployment(
+    pool: str, namespace: str, spec: InferencePoolSpec, role: str, images: Images
+) -> Manifest:
+    role_spec: RoleSpec = spec.roles()[role]
+    engine = spec.engine
+    build = _vllm_worker if engine.type == "vllm" else _kvpool_worker
+    container = build(spec, role, images)
+    container["env"] += _env(engine.env) + _env(role_spec.env)
+    container["ports"] = _worker_ports(engine)
+    if engine.image_pull_policy:
+        container["imagePullPolicy"] = engine.image_pull_policy
+    container.update(_probes("http"))
+    resources = _resources(role_spec.resources)
+    if resources:
+        container["resources"] = resources
+    mounts = []
+    volumes = []
+    model_volume = _model_volume(spec)
+    if model_volume is not None:
+        volumes.append(model_volume)
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if engine.type == "vllm":  # NCCL and the tokenizer pool use shared memory
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if mounts:
+        container["volumeMounts"] = mounts
+
+    pod_spec: Manifest = {
+        "automountServiceAccountToken": False,  # workers never call the API server
+        "terminationGracePeriodSeconds": role_spec.termination_grace_period_seconds,
+        "containers": [container],
+    }
+    init = _builtin_init(spec, images)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if role_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
+    if role_spec.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(role_spec.tolerations)
+    if role_spec.affinity:
+        pod_spec["affinity"] = copy.deepcopy(role_spec.affinity)
+
+    selector = selector_labels(pool, "worker", role)
+    template: Manifest = {
+        "metadata": {
+            "labels": {
+                **pool_labels(pool, "worker"),
+                **selector,
+                ROLE_LABEL: spec.worker_role_label(role),
+            },
+            "annotations": _scrape_annotations(engine.port),
+        },
+        "spec": pod_spec,
+    }
+    if role_spec.pod_template:
+        template = merge_template(template, role_spec.pod_template)
+    rollout = role_spec.rollout
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, namespace, f"{pool}-{role}", "worker", labels={GROUP_LABEL: role}),
+        "spec": {
+            "replicas": role_spec.replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": rollout.max_surge,
+                    "maxUnavailable": rollout.max_unavailable,
+                },
+            },
+            "template": template,
+        },
+    }
+
+
+def worker_service(pool: str, namespace: str, spec: InferencePoolSpec, role: str) -> Manifest:
+    """A headless Service per role: stable DNS for each worker, for debugging and scraping."""
+    ports = [
+        {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
+        for p in _worker_ports(spec.engine)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, namespace, f"{pool}-{role}", "worker", labels={GROUP_LABEL: role}),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(pool, "worker", role),
+            "ports": ports,
+        },
+    }
+
+
+def disruption_budget(pool: str, namespace: str, component: str, group: str | None) -> Manifest:
+    name = f"{pool}-{group or component}"
+    extra = {"labels": {GROUP_LABEL: group}} if group else {}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(pool, namespace, name, component, **extra),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(pool, component, group)},
+        },
+    }
+
+
+# --- router ---------------------------------------------------------------------------------
+
+
+def _snake(camel: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in camel).upper()
+
+
+def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
+    """The router's settings as KVPOOL_ROUTER_* variables (its ConfigMap)."""
+    router = spec.router
+    engine = spec.engine
+    data = {
+        "KVPOOL_ROUTER_MODEL": TOKENIZER_COPY if _router_copies_tokenizer(spec)
+        else model_dir(spec),
+        "KVPOOL_ROUTER_SERVED_MODEL_NAME": spec.model.name,
+        "KVPOOL_ROUTER_HOST": "0.0.0.0",
+        "KVPOOL_ROUTER_PORT": str(ROUTER_PORT),
+        "KVPOOL_ROUTER_DISCOVERY": "kubernetes",
+        "KVPOOL_ROUTER_SELECTOR": worker_selector(pool),
+        "KVPOOL_ROUTER_WORKER_PORT": "http",
+        "KVPOOL_ROUTER_ROLE_LABEL": ROLE_LABEL,
+        "KVPOOL_ROUTER_BLOCK_SIZE": str(engine.block_size),
+        "KVPOOL_ROUTER_HASH_SEED": engine.hash_seed,
+        "KVPOOL_ROUTER_POLICY": router.policy,
+    }  # fmt: skip
+    if engine.type == "vllm" and engine.kv_events.enabled:
+        # vLLM has no /kvpool/info to say where its events are: tell the router.
+        data["KVPOOL_ROUTER_WORKER_EVENTS_PORT"] = str(engine.kv_events.port)
+        data["KVPOOL_ROUTER_WORKER_REPLAY_PORT"] = str(engine.kv_events.replay_port)
+    if router.scorers:
+        data["KVPOOL_ROUTER_SCORER"] = " ".join(f"{k}={v:g}" for k, v in router.scorers.items())
+    for key, value in router.settings.items():
+        data[f"KVPOOL_ROUTER_{_snake(key)}"] = value
+    return data
+
+
+def _router_copies_tokenizer(spec: InferencePoolSpec) -> bool:
+    """The router reads the tokenizer and chat template from the model directory; one baked
+    into the worker image reaches it through an init container and an emptyDir."""
+    return spec.model.source.image is not None
+
+
+def config_hash(data: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def router_deployment(
+    pool: str, namespace: str, spec: InferencePoolSpec, images: Images
+) -> Manifest:
+    router = spec.router
+    name = f"{pool}-router"
+    container: Manifest = {
+        "name": ROUTER_CONTAINER,
+        "image": router.image or images.router,
+        "command": ["kvpool", "router", "serve"],
+        "envFrom": [{"configMapRef": {"name": name}}],
+        "env": [
+            {
+                "name": "KVPOOL_ROUTER_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            }
+        ],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        **_probes("http"),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+    resources = _resources(router.resources)
+    if resources:
+        container["resources"] = resources
+    if router.image_pull_policy:
+        container["imagePullPolicy"] = router.image_pull_policy
+    volumes: list[Manifest] = []
+    init: list[Manifest] = []
+    if _router_copies_tokenizer(spec):
+        volumes.append({"name": "tokenizer", "emptyDir": {}})
+        container["volumeMounts"] = [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}]
+        excludes = " ".join(f"! -name {shlex.quote(g)}" for g in _WEIGHT_GLOBS)
+        init.append({
+            "name": "copy-tokenizer",
+            "image": spec.engine.image or images.worker,
+            "command": ["sh", "-c", f"find {shlex.quote(model_dir(spec))} -maxdepth 1 -type f "
+                                    f"{excludes} -exec cp {{}} {TOKENIZER_COPY}/ \\;"],
+            "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}],
+        })  # fmt: skip
+    else:
+        model_volume = _model_volume(spec)
+        if model_volume is not None:
+            volumes.append(model_volume)
+            container["volumeMounts"] = [
+                {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+            ]
+        builtin = _builtin_init(spec, images)
+        if builtin is not None:
+            init.append(builtin)
+    pod_spec: Manifest = {
+        "serviceAccountName": name,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+    }
+    if init:
+        pod_spec["initContainers"] = init
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(router.tolerations)
+    selector = selector_labels(pool, "router")
+    annotations = {
+        **_scrape_annotations(ROUTER_PORT),
+        CONFIG_HASH: config_hash(router_config(pool, spec)),  # a config change rolls the pods
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, namespace, name, "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": {**pool_labels(pool, "router"), **selector},
+                    "annotations": annotations,
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def router_manifests(
+    pool: str, namespace: str, spec: InferencePoolSpec, images: Images
+) -> list[Manifest]:
+    name = f"{pool}-router"
+
+    def meta() -> dict[str, Any]:
+        return _meta(pool, namespace, name, "router")
+
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(),
+            # Discovery lists and watches the pool's pods in this namespace: nothing more.
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(),
+            "data": router_config(pool, spec),
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta(),
+            "spec": {
+                "type": spec.router.service.type,
+                "selector": selector_labels(pool, "router"),
+                "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http"}],
+            },
+        },
+        router_deployment(pool, namespace, spec, images),
+        disruption_budget(pool, namespace, "router", None),
+    ]
+
+
+def render(
+    pool: str, namespace: str, spec: InferencePoolSpec, images: Images | None = None
+) -> list[Manifest]:
+    """Every child of the pool, in the order to apply them (config before its users)."""
+    images = images or Images()
+    children = router_manifests(pool, namespace, spec, images)
+    for role in spec.roles():
+        children += [
+            worker_service(pool, namespace, spec, role),
+            worker_deployment(pool, namespace, spec, role, images),
+            disruption_budget(pool, namespace, "worker", role),
+        ]
+    return children
+
+
+def router_endpoint(pool: str, namespace: str, spec: InferencePoolSpec) -> str:
+    port = spec.router.service.port
+    suffix = "" if port == 80 else f":{port}"
+    return f"http://{pool}-router.{namespace}.svc{suffix}"
+
+
+# --- pod template overrides -----------------------------------------------------------------
+
+
+def merge_template(base: Manifest, override: Manifest) -> Manifest:
+    """``override`` (a partial pod template) deep-merged over ``base``: maps key by key, lists
+    of named things (containers, volumes, env, ports) by name, other lists replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        mine = out.get(key)
+        if isinstance(mine, dict) and isinstance(value, dict):
+            out[key] = merge_template(mine, value)
+        elif isinstance(mine, list) and isinstance(value, list) and _named(mine) and _named(value):
+            theirs = {item["name"]: item for item in value}
+            out[key] = [merge_template(i, theirs.pop(i["name"], {})) for i in mine]
+            out[key] += [copy.deepcopy(i) for i in theirs.values()]
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _named(items: list[Any]) -> bool:
+    return all(isinstance(i, dict) and "name" in i for i in items)

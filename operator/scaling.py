@@ -1,0 +1,210 @@
+"""One autoscaling round for one pool: scrape, build signals, decide, act, record.
+
+The deciding is pure (:mod:`.signals`, :mod:`.autoscaler`); this module gathers its inputs
+from the cluster (the pool's pods, scraped on their ``prometheus.io/port``) and acts on the
+answer: in ``Active`` mode it writes the Deployments' replicas, and only then (one owner:
+the spec's replicas of an autoscaled role are not applied), in ``Advisory`` mode it only
+records. Either way the recommendation and the last five changes go to the pool's status.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpool.api.inferencepool import InferencePoolSpec
+
+from .autoscaler import AutoscalerState, Behavior, Bounds, Recommendation, ScalingPolicy, decide
+from .render import COMPONENT_LABEL, GROUP_LABEL
+from .signals import MetricsWindow, Signals, build_signals
+
+log = logging.getLogger(__name__)
+
+MAX_DECISIONS = 5
+
+
+@dataclass
+class ScalerRuntime:
+    window: MetricsWindow
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def policy_from_spec(spec: InferencePoolSpec) -> ScalingPolicy:
+    a = spec.autoscaling
+    slo = spec.slo
+
+    def bounds(role: str) -> Bounds | None:
+        b = getattr(a, role)
+        return None if b is None else Bounds(b.min_replicas, b.max_replicas)
+
+    decode = bounds("decode") or Bounds(1, max(1, spec.decode.replicas))
+    prefill = bounds("prefill") if spec.prefill is not None else None
+    if spec.prefill is not None and prefill is None:
+        prefill = Bounds(1, max(1, spec.prefill.replicas))
+    quantile = slo.quantile if slo else 0.9
+    return ScalingPolicy(
+        decode=decode,
+        prefill=prefill,
+        ttft_target_s=slo.ttft_milliseconds / 1000 if slo and slo.ttft_milliseconds else None,
+        itl_target_s=slo.itl_milliseconds / 1000 if slo and slo.itl_milliseconds else None,
+        scale_up=Behavior(a.scale_up.stabilization_window_seconds, a.scale_up.max_step),
+        scale_down=Behavior(a.scale_down.stabilization_window_seconds, a.scale_down.max_step),
+        cooldown_s=a.cooldown_seconds,
+        kv_usage_target=a.kv_usage_target,
+        waiting_per_replica_target=a.waiting_per_replica_target,
+        ttft_quantile=quantile,
+        itl_quantile=quantile,
+    )
+
+
+def _metrics_url(pod: dict[str, Any]) -> str | None:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    port = (meta.get("annotations") or {}).get("prometheus.io/port")
+    ip = status.get("podIP")
+    if status.get("phase") != "Running" or not ip or not port or meta.get("deletionTimestamp"):
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}/metrics"
+
+
+def scrape(
+    pods: list[dict[str, Any]], timeout: float
+) -> tuple[list[tuple[str, str | None]], dict[str, list[tuple[str, str | None]]]]:
+    """The /metrics text of each router and worker pod (None where the scrape failed)."""
+    targets = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        component = labels.get(COMPONENT_LABEL)
+        group = "router" if component == "router" else labels.get(GROUP_LABEL)
+        if group in ("router", "prefill", "decode"):
+            targets.append((group, meta.get("name", "?"), _metrics_url(pod)))
+
+    def fetch(url: str | None) -> str | None:
+        if url is None:
+            return None
+        try:
+            resp = httpx.get(url, timeout=timeout)
+            return resp.text if resp.status_code == 200 else None
+        except httpx.HTTPError as exc:
+            log.debug("scrape %s: %s", url, exc)
+            return None
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        texts = list(pool.map(fetch, [url for _, _, url in targets]))
+    router: list[tuple[str, str | None]] = []
+    workers: dict[str, list[tuple[str, str | None]]] = {}
+    for (group, name, _), text in zip(targets, texts, strict=True):
+        if group == "router":
+            router.append((name, text))
+        else:
+            workers.setdefault(group, []).append((name, text))
+    return router, workers
+
+
+def slo_condition(spec: InferencePoolSpec, signals: Signals) -> tuple[str, str, str]:
+    slo = spec.slo
+    if slo is None:
+        return ("Unknown", "NoSLO", "the spec sets no SLO")
+    q = f"p{slo.quantile * 100:g}"
+    checks = []
+    for label, target_ms, value in (
+        ("TTFT", slo.ttft_milliseconds, signals.ttft_s),
+        ("ITL", slo.itl_milliseconds, signals.itl_s),
+    ):
+        if target_ms is None:
+            continue
+        if value is None:
+            return ("Unknown", "NoMetrics", f"no {label} measured in the window")
+        ok = value * 1000 <= target_ms
+        checks.append(
+            (ok, f"{label} {q} {value * 1000:.0f}ms {'<=' if ok else '>'} {target_ms:g}ms")
+        )
+    message = "; ".join(text for _, text in checks)
+    if all(ok for ok, _ in checks):
+        return ("True", "Met", message)
+    return ("False", "Missed", message)
+
+
+def _decision(rec: Recommendation, stamp: str, applied: bool) -> dict[str, Any]:
+    return {
+        "time": stamp,
+        "role": rec.role,
+        "current": rec.current,
+        "desired": rec.desired,
+        "reason": rec.reason,
+        "applied": applied,
+    }
+
+
+def autoscale_step(
+    cluster: Any,
+    namespace: str,
+    name: str,
+    spec: InferencePoolSpec,
+    rt: Any,
+    stamp: str,
+    scrape_timeout: float = 2.0,
+    clock: Any = time.time,
+) -> None:
+    """Scrape, decide, act; record in ``rt`` what :func:`..handlers.sync` writes to status."""
+    a = spec.autoscaling
+    runtime: ScalerRuntime | None = rt.scaler
+    if runtime is None or runtime.window.window_s != a.window_seconds:
+        runtime = rt.scaler = ScalerRuntime(MetricsWindow(a.window_seconds))
+    now = clock()
+    replicas: dict[str, tuple[int, int]] = {}
+    for role in spec.roles():
+        dep = cluster.deployment(namespace, f"{name}-{role}") or {}
+        replicas[role] = (
+            int((dep.get("spec") or {}).get("replicas", 0) or 0),
+            int((dep.get("status") or {}).get("readyReplicas", 0) or 0),
+        )
+    router, workers = scrape(cluster.pods(namespace, name), scrape_timeout)
+    for role in spec.roles():
+        workers.setdefault(role, [])
+    quantile = spec.slo.quantile if spec.slo else 0.9
+    signals = build_signals(
+        now, router, workers, replicas, runtime.window,
+        ttft_quantile=quantile, itl_quantile=quantile,
+    )  # fmt: skip
+    rt.slo = slo_condition(spec, signals)
+    if not a.enabled:
+        rt.autoscaling, rt.autoscaler_status = None, None
+        return
+
+    recommendations, runtime.state = decide(policy_from_spec(spec), signals, runtime.state)
+    recommendation = {}
+    for role, rec in recommendations.items():
+        applied = False
+        if a.mode == "Active" and rec.desired != rec.current:
+            cluster.scale(namespace, f"{name}-{role}", rec.desired)
+            applied = True
+            log.info("InferencePool %s/%s: %s %d -> %d: %s", namespace, name, role,
+                     rec.current, rec.desired, rec.reason)  # fmt: skip
+        entry = _decision(rec, stamp, applied)
+        recommendation[role] = entry
+        if rec.desired != rec.current:
+            runtime.decisions = [*runtime.decisions, entry][-MAX_DECISIONS:]
+    holding = all(r.reason.startswith("hold: no") for r in recommendations.values())
+    if a.mode == "Advisory":
+        rt.autoscaling = ("False", "Advisory", "recommendations are recorded, not applied")
+    elif holding and recommendations:
+        rt.autoscaling = ("False", "MetricsUnavailable", "; ".join(
+            f"{r.role}: {r.reason}" for r in recommendations.values()))  # fmt: skip
+    else:
+        rt.autoscaling = ("True", "Active", "replicas of " + ", ".join(recommendations)
+                          + " are set by the autoscaler")  # fmt: skip
+    rt.autoscaler_status = {
+        "lastEvaluationTime": stamp,
+        "ttftSeconds": signals.ttft_s,
+        "itlSeconds": signals.itl_s,
+        "recommendation": recommendation,
+        "decisions": list(runtime.decisions),
+    }

@@ -1,0 +1,179 @@
+"""A pool's status from what the cluster shows: a pure function, the one place status is made.
+
+Ready means clients can be served now: the router has an available replica and every role
+has a ready worker. Progressing means a rollout or a scale is under way. Degraded means
+the operator cannot do what the spec asks (the spec is invalid, or applying it failed);
+the children keep running as they were. A condition's lastTransitionTime moves only when
+its status does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.api import InferencePoolSpec
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the handlers saw: the live Deployments by group (router, prefill, decode)."""
+
+    generation: int
+    deployments: dict[str, Manifest | None] = field(default_factory=dict)
+    error: str | None = None  # the spec's problems (reason InvalidSpec)
+    apply_error: str | None = None  # the API server refused a child (reason ApplyFailed)
+    autoscaler: dict[str, Any] | None = None  # status.autoscaler as recorded by the daemon
+    slo: tuple[str, str, str] | None = None  # (status, reason, message) of SLOMet
+    autoscaling: tuple[str, str, str] | None = None  # the same, for AutoscalingActive
+
+
+def role_status(dep: Manifest | None) -> dict[str, Any]:
+    spec = (dep or {}).get("spec") or {}
+    st = (dep or {}).get("status") or {}
+    desired = int(spec.get("replicas", 0) or 0)
+    ready = int(st.get("readyReplicas", 0) or 0)
+    return {
+        "desiredReplicas": desired,
+        "replicas": int(st.get("replicas", 0) or 0),
+        "readyReplicas": ready,
+        "updatedReplicas": int(st.get("updatedReplicas", 0) or 0),
+        "summary": f"{ready}/{desired}",
+    }
+
+
+def _rolling(dep: Manifest | None) -> str | None:
+    """Why this Deployment is still moving, or None when it has settled."""
+    if dep is None:
+        return "not created yet"
+    meta, spec, st = dep.get("metadata") or {}, dep.get("spec") or {}, dep.get("status") or {}
+    name = meta.get("name", "?")
+    desired = int(spec.get("replicas", 0) or 0)
+    if int(st.get("observedGeneration", 0) or 0) < int(meta.get("generation", 0) or 0):
+        return f"{name}: change not yet seen by its controller"
+    if int(st.get("updatedReplicas", 0) or 0) < desired:
+        return f"{name}: {st.get('updatedReplicas', 0) or 0}/{desired} updated"
+    if int(st.get("replicas", 0) or 0) > desired:
+        return f"{name}: old pods terminating"
+    if int(st.get("readyReplicas", 0) or 0) < desired:
+        return f"{name}: {st.get('readyReplicas', 0) or 0}/{desired} ready"
+    return None
+
+
+def _condition(
+    previous: list[dict[str, Any]],
+    kind: str,
+    status: str,
+    reason: str,
+    message: str,
+    now: str,
+    generation: int,
+) -> dict[str, Any]:
+    before = next((c for c in previous if c.get("type") == kind), None)
+    changed = before is None or before.get("status") != status
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+
+
+def build_status(
+    spec: InferencePoolSpec | None,
+    observed: Observed,
+    previous: dict[str, Any] | None,
+    now: str,
+    endpoint: str | None = None,
+) -> dict[str, Any]:
+    """The whole ``status`` of a pool. ``spec`` is the last valid spec (None if there never
+    was one); ``observed.error`` says why the current one is refused."""
+    previous = previous or {}
+    prev_conditions = previous.get("conditions") or []
+    deps = observed.deployments
+    roles = list(spec.roles()) if spec is not None else []
+    status: dict[str, Any] = {"observedGeneration": observed.generation}
+
+    for role in ("prefill", "decode"):
+        status[role] = role_status(deps.get(role)) if role in roles else None
+    router_dep = deps.get("router")
+    if spec is not None and endpoint:
+        router = role_status(router_dep)
+        status["router"] = {
+            "endpoint": endpoint,
+            "readyReplicas": router["readyReplicas"],
+            "replicas": router["desiredReplicas"],
+        }
+
+    def cond(kind: str, st: str, reason: str, message: str) -> dict[str, Any]:
+        return _condition(prev_conditions, kind, st, reason, message, now, observed.generation)
+
+    # Ready: judged on what runs, whether or not the latest spec was valid.
+    missing = []
+    router_ready = int(((router_dep or {}).get("status") or {}).get("availableReplicas", 0) or 0)
+    if spec is None:
+        missing.append("no valid spec yet")
+    else:
+        if router_ready < 1:
+            missing.append("router: no available replica")
+        for role in roles:
+            if status[role]["readyReplicas"] < 1:
+                missing.append(f"{role}: no ready worker ({status[role]['summary']})")
+    if missing:
+        ready = cond("Ready", "False", "NotReady", "; ".join(missing))
+    else:
+        ready = cond("Ready", "True", "Serving", "router and every role have ready replicas")
+
+    moving = [r for g in ["router", *roles] if spec is not None and (r := _rolling(deps.get(g)))]
+    if moving:
+        progressing = cond("Progressing", "True", "RollingOut", "; ".join(moving))
+    else:
+        progressing = cond("Progressing", "False", "Complete", "every Deployment is up to date")
+
+    if observed.error:
+        degraded = cond("Degraded", "True", "InvalidSpec", observed.error)
+    elif observed.apply_error:
+        degraded = cond("Degraded", "True", "ApplyFailed", observed.apply_error)
+    else:
+        degraded = cond("Degraded", "False", "Reconciled", "the children match the spec")
+
+    autoscaling = observed.autoscaling or _autoscaling_default(spec)
+    slo = observed.slo or (
+        ("Unknown", "NoSLO", "the spec sets no SLO")
+        if spec is None or spec.slo is None
+        else ("Unknown", "NoMetrics", "no latency measured yet")
+    )
+    status["conditions"] = [
+        ready,
+        progressing,
+        degraded,
+        cond("AutoscalingActive", *autoscaling),
+        cond("SLOMet", *slo),
+    ]
+    if degraded["status"] == "True":
+        status["phase"] = "Degraded"
+    elif ready["status"] == "True":
+        status["phase"] = "Ready"
+    elif any(deps.get(g) is not None for g in deps):
+        status["phase"] = "Progressing"
+    else:
+        status["phase"] = "Pending"
+    if observed.autoscaler is not None:
+        status["autoscaler"] = observed.autoscaler
+    return status
+
+
+def _autoscaling_default(spec: InferencePoolSpec | None) -> tuple[str, str, str]:
+    if spec is None or not spec.autoscaling.enabled:
+        return ("False", "Disabled", "autoscaling.enabled is false: replicas come from the spec")
+    if spec.autoscaling.mode == "Advisory":
+        return ("False", "Advisory", "recommendations are recorded in status, not applied")
+    return ("False", "MetricsUnavailable", "no metrics scraped yet")
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
