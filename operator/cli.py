@@ -48,7 +48,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
     from .render import render
 
-    settings = load(args)
+    settings = load(args, skip=("namespace",))
     try:
         pools = load_pools(args.file)
     except ManifestError as exc:
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("render", help="print the children of the pools in a manifest")
     p.add_argument("file", help="a YAML file with InferencePool objects")
-    p.add_argument("--namespace", default="default")
-    add_settings_arguments(p, OperatorSettings, ENV_PREFIX)
+    p.add_argument("--namespace", default="default", help="namespace of the children")
+    add_settings_arguments(p, OperatorSettings, ENV_PREFIX, skip=("namespace",))
     p.set_defaults(func=_cmd_render)
     return parser
 

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 LAST_APPLIED = "kvpool.io/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
+REQUEST_TIMEOUT = (5, 30)  # connect, read: a hung API server must not hang a handler forever
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Cluster:
         self.client = client or api_client()
 
     def _call(self, kind: Kind, verb: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
         api = getattr(kubernetes.client, kind.api)(self.client)
         return getattr(api, f"{verb}_namespaced_{kind.suffix}")(*args, **kwargs)
 
@@ -222,7 +224,10 @@ class Cluster:
     def pods(self, namespace: str, pool: str) -> list[Manifest]:
         api = kubernetes.client.CoreV1Api(self.client)
         resp = api.list_namespaced_pod(
-            namespace, label_selector=f"{POOL_LABEL}={pool}", _preload_content=False
+            namespace,
+            label_selector=f"{POOL_LABEL}={pool}",
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
         )
         items = self._json(resp).get("items", [])
         return [p for p in items if ((p.get("metadata") or {}).get("labels") or {}).get(
@@ -234,8 +239,9 @@ class Cluster:
         api = kubernetes.client.CustomObjectsApi(self.client)
         try:
             resp = api.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
-            )
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -246,5 +252,5 @@ class Cluster:
         api = kubernetes.client.CustomObjectsApi(self.client)
         api.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, {"status": status},
-            _content_type=MERGE_PATCH,
+            _content_type=MERGE_PATCH, _request_timeout=REQUEST_TIMEOUT,
         )  # fmt: skip

@@ -141,6 +141,17 @@ def _pod_ip_env() -> Manifest:
     return {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
+def worker_image(spec: InferencePoolSpec, role: str, images: Images) -> str:
+    """The spec's image, else the default for the engine (CUDA only where GPUs are asked)."""
+    if spec.engine.image:
+        return spec.engine.image
+    if spec.engine.type == "vllm":
+        return images.vllm
+    resources = spec.roles()[role].resources
+    gpu = "nvidia.com/gpu" in {**resources.requests, **resources.limits}
+    return images.worker if gpu else images.worker_cpu
+
+
 def _kvpool_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest:
     engine = spec.engine
     role_spec = spec.roles()[role]
@@ -164,10 +175,9 @@ def _kvpool_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manife
         ]  # fmt: skip
     if spec.prefill is not None:
         args += ["--kv-pin-timeout-s", f"{engine.kv_transfer.pin_timeout_seconds:g}"]
-    gpu = "nvidia.com/gpu" in {**role_spec.resources.requests, **role_spec.resources.limits}
     return {
         "name": WORKER_CONTAINER,
-        "image": engine.image or (images.worker if gpu else images.worker_cpu),
+        "image": worker_image(spec, role, images),
         "command": ["kvpool", "worker", "serve"],
         "args": args + engine.args + role_spec.args,
         "env": [_pod_ip_env(), {"name": "HF_HUB_OFFLINE", "value": "1"}],
@@ -222,7 +232,7 @@ def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest
         env += [{"name": k, "value": v} for k, v in transfer_env.items()]
     return {
         "name": WORKER_CONTAINER,
-        "image": engine.image or images.vllm,
+        "image": worker_image(spec, role, images),
         "command": ["vllm", "serve"],
         "args": args + engine.args + role_spec.args,
         "env": env,
@@ -351,7 +361,7 @@ def worker_deployment(
         "kind": "Deployment",
         "metadata": _meta(pool, namespace, f"{pool}-{role}", "worker", labels={GROUP_LABEL: role}),
         "spec": {
-            "replicas": role_spec.replicas,
+            "replicas": initial_replicas(spec, role),
             "selector": {"matchLabels": selector},
             "strategy": {
                 "type": "RollingUpdate",
@@ -363,6 +373,16 @@ def worker_deployment(
             "template": template,
         },
     }
+
+
+def initial_replicas(spec: InferencePoolSpec, role: str) -> int:
+    """The spec's count; for an autoscaled role, within its bounds. The autoscaler owns the
+    count after the Deployment is created (it is not patched back to this)."""
+    replicas = spec.roles()[role].replicas
+    bounds = getattr(spec.autoscaling, role) if spec.autoscaling.enabled else None
+    if bounds is not None:
+        replicas = min(max(replicas, bounds.min_replicas), bounds.max_replicas)
+    return replicas
 
 
 def worker_service(pool: str, namespace: str, spec: InferencePoolSpec, role: str) -> Manifest:
@@ -476,7 +496,7 @@ def router_deployment(
         excludes = " ".join(f"! -name {shlex.quote(g)}" for g in _WEIGHT_GLOBS)
         init.append({
             "name": "copy-tokenizer",
-            "image": spec.engine.image or images.worker,
+            "image": worker_image(spec, "decode", images),  # the image that holds the model
             "command": ["sh", "-c", f"find {shlex.quote(model_dir(spec))} -maxdepth 1 -type f "
                                     f"{excludes} -exec cp {{}} {TOKENIZER_COPY}/ \\;"],
             "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}],

@@ -45,5 +45,6 @@ def from_environment() -> OperatorSettings:
     return load(argparse.Namespace())
 
 
-def load(args: Any) -> OperatorSettings:
-    return build_settings(OperatorSettings, settings_values(args, OperatorSettings, ENV_PREFIX))
+def load(args: Any, skip: tuple[str, ...] = ()) -> OperatorSettings:
+    values = settings_values(args, OperatorSettings, ENV_PREFIX, skip)
+    return build_settings(OperatorSettings, values)

@@ -1,0 +1,334 @@
+"""Rendering an InferencePool into its children: golden manifests and the rules behind them.
+
+The golden files in ``tests/golden/operator/`` are what the operator applies for four pools
+(aggregated and disaggregated, over kvpool and vLLM workers). A change of rendering shows
+up as a diff of those files; regenerate them on purpose with
+``KVPOOL_UPDATE_GOLDEN=1 pytest tests/test_operator_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpool.api import validate_pool
+from kvpool.operator.render import (
+    GROUP_LABEL,
+    ROLE_LABEL,
+    Images,
+    merge_template,
+    render,
+    router_config,
+    worker_selector,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "operator"
+NS = "llm"
+
+GPU = {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}, "requests": {"cpu": "8"}}
+SCHEDULING = {
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}
+SLO = {"quantile": 0.9, "ttftMilliseconds": 500, "itlMilliseconds": 50}
+
+SPECS: dict[str, dict[str, Any]] = {
+    "aggregated-kvpool": {
+        "model": {
+            "name": "llama-3.1-8b",
+            "source": {"pvc": {"claimName": "models", "path": "llama-3.1-8b-instruct"}},
+        },
+        "decode": {"replicas": 2, "resources": GPU, **SCHEDULING},
+        "router": {"replicas": 2, "scorers": {"prefix": 3, "in-flight": 1}},
+        "slo": SLO,
+    },
+    "disaggregated-kvpool": {
+        "model": {"name": "llama-3.1-8b", "source": {"hostPath": {"path": "/data/llama"}}},
+        "disaggregation": {"mode": "Disaggregated"},
+        "prefill": {"replicas": 1, "resources": GPU, **SCHEDULING},
+        "decode": {"replicas": 3, "resources": GPU, **SCHEDULING},
+        "slo": SLO,
+        "autoscaling": {
+            "enabled": True,
+            "prefill": {"minReplicas": 1, "maxReplicas": 4},
+            "decode": {"minReplicas": 2, "maxReplicas": 8},
+        },
+    },
+    "aggregated-vllm": {
+        "model": {"name": "qwen2.5-7b", "source": {"image": {"path": "/models/qwen2.5-7b"}}},
+        "engine": {"type": "vllm", "args": ["--gpu-memory-utilization", "0.9"], "hashSeed": "42"},
+        "decode": {"replicas": 2, "resources": GPU},
+    },
+    "disaggregated-vllm": {
+        "model": {
+            "name": "llama-3.1-70b",
+            "source": {"pvc": {"claimName": "models", "path": "llama-3.1-70b"}},
+            "maxModelLen": 32768,
+        },
+        "engine": {"type": "vllm", "args": ["--tensor-parallel-size", "4"]},
+        "disaggregation": {"mode": "Auto", "thresholdTokens": 1024},
+        "prefill": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+        "decode": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+    },
+}
+
+
+def rendered(case: str) -> list[dict[str, Any]]:
+    return render(case, NS, validate_pool(case, SPECS[case]), Images())
+
+
+def by_kind(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name} rendered {len(found)} times"
+    return found[0]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def arg(c: dict[str, Any], flag: str) -> str:
+    args = c["args"]
+    assert flag in args, f"{flag} not in {args}"
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("case", sorted(SPECS))
+def test_rendered_children_match_the_golden_manifests(case: str) -> None:
+    text = yaml.safe_dump_all(rendered(case), sort_keys=False, width=100)
+    path = GOLDEN / f"{case}.yaml"
+    if os.environ.get("KVPOOL_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"{path} is missing: run with KVPOOL_UPDATE_GOLDEN=1 to write it"
+    assert text == path.read_text(), (
+        f"rendering of {case} changed: review, then KVPOOL_UPDATE_GOLDEN=1 to accept"
+    )
+
+
+def test_an_aggregated_pool_has_one_worker_role_that_serves_whole_requests() -> None:
+    children = rendered("aggregated-kvpool")
+    kinds = sorted(f"{c['kind']}/{c['metadata']['name']}" for c in children)
+    assert kinds == sorted(
+        [
+            "ServiceAccount/aggregated-kvpool-router",
+            "Role/aggregated-kvpool-router",
+            "RoleBinding/aggregated-kvpool-router",
+            "ConfigMap/aggregated-kvpool-router",
+            "Service/aggregated-kvpool-router",
+            "Deployment/aggregated-kvpool-router",
+            "PodDisruptionBudget/aggregated-kvpool-router",
+            "Service/aggregated-kvpool-decode",
+            "Deployment/aggregated-kvpool-decode",
+            "PodDisruptionBudget/aggregated-kvpool-decode",
+        ]
+    )
+    decode = by_kind(children, "Deployment", "aggregated-kvpool-decode")
+    pod_labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[ROLE_LABEL] == "both"
+    assert arg(container(decode), "--role") == "both"
+    assert decode["spec"]["replicas"] == 2
+
+
+def test_every_child_is_labelled_with_its_pool_and_namespaced() -> None:
+    for child in rendered("disaggregated-vllm"):
+        meta = child["metadata"]
+        assert meta["namespace"] == NS
+        assert meta["labels"]["kvpool.io/pool"] == "disaggregated-vllm"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvpool-operator"
+
+
+def test_deployment_selectors_never_use_the_role_label_that_modes_change() -> None:
+    # Deployment selectors are immutable: switching Auto -> Disaggregated changes decode
+    # pods' kvpool.io/role from "both" to "decode", which must not need a new Deployment.
+    auto = rendered("disaggregated-vllm")
+    spec = dict(SPECS["disaggregated-vllm"], disaggregation={"mode": "Disaggregated"})
+    disagg = render("disaggregated-vllm", NS, validate_pool("x", spec), Images())
+    for name in ("disaggregated-vllm-decode", "disaggregated-vllm-prefill"):
+        a, b = by_kind(auto, "Deployment", name), by_kind(disagg, "Deployment", name)
+        assert a["spec"]["selector"] == b["spec"]["selector"]
+        assert ROLE_LABEL not in a["spec"]["selector"]["matchLabels"]
+        assert GROUP_LABEL in a["spec"]["selector"]["matchLabels"]
+    roles = {
+        name: by_kind(c, "Deployment", f"disaggregated-vllm-{name}")["spec"]["template"][
+            "metadata"
+        ]["labels"][ROLE_LABEL]
+        for c, name in ((auto, "decode"), (auto, "prefill"))
+    }
+    assert roles == {"decode": "both", "prefill": "prefill"}
+    decode = by_kind(disagg, "Deployment", "disaggregated-vllm-decode")
+    assert decode["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == "decode"
+
+
+def test_vllm_workers_get_kv_events_prefix_hashing_and_nixl_flags() -> None:
+    children = rendered("disaggregated-vllm")
+    for role in ("prefill", "decode"):
+        c = container(by_kind(children, "Deployment", f"disaggregated-vllm-{role}"))
+        assert c["command"] == ["vllm", "serve"]
+        assert c["args"][0] == "/models/source/llama-3.1-70b"
+        assert arg(c, "--prefix-caching-hash-algo") == "sha256_cbor"
+        assert arg(c, "--block-size") == "16"
+        assert arg(c, "--max-model-len") == "32768"
+        events = json.loads(arg(c, "--kv-events-config"))
+        assert events == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://*:5558",
+            "topic": "",
+        }
+        transfer = json.loads(arg(c, "--kv-transfer-config"))
+        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["PYTHONHASHSEED"] == "0"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+        assert c["args"][-2:] == ["--tensor-parallel-size", "4"]  # the user's args come last
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+def test_an_aggregated_vllm_pool_has_no_kv_transfer() -> None:
+    c = container(by_kind(rendered("aggregated-vllm"), "Deployment", "aggregated-vllm-decode"))
+    assert "--kv-transfer-config" not in c["args"]
+    assert {e["name"]: e.get("value") for e in c["env"]}["PYTHONHASHSEED"] == "42"
+
+
+def test_router_is_told_the_vllm_event_ports_and_the_hash_seed() -> None:
+    config = router_config("p", validate_pool("p", SPECS["aggregated-vllm"]))
+    assert config["KVPOOL_ROUTER_WORKER_EVENTS_PORT"] == "5557"
+    assert config["KVPOOL_ROUTER_WORKER_REPLAY_PORT"] == "5558"
+    assert config["KVPOOL_ROUTER_HASH_SEED"] == "42"
+    assert config["KVPOOL_ROUTER_DISCOVERY"] == "kubernetes"
+    assert config["KVPOOL_ROUTER_SELECTOR"] == worker_selector("p")
+    ours = router_config("p", validate_pool("p", SPECS["aggregated-kvpool"]))
+    assert "KVPOOL_ROUTER_WORKER_EVENTS_PORT" not in ours  # kvpool workers say so themselves
+    assert ours["KVPOOL_ROUTER_SCORER"] == "prefix=3 in-flight=1"
+
+
+def test_kvpool_workers_publish_events_and_drain_before_they_stop() -> None:
+    children = rendered("disaggregated-kvpool")
+    c = container(by_kind(children, "Deployment", "disaggregated-kvpool-prefill"))
+    assert c["command"] == ["kvpool", "worker", "serve"]
+    assert arg(c, "--role") == "prefill"
+    assert arg(c, "--kv-events-endpoint") == "tcp://*:5557"
+    assert arg(c, "--kv-events-replay-endpoint") == "tcp://*:5558"
+    assert arg(c, "--kv-pin-timeout-s") == "30"
+    assert arg(c, "--model") == "/models/source"
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:3] == ["kvpool", "worker", "drain"]
+    # draining ends before the kubelet's grace period does
+    assert float(arg(c, "--drain-timeout-s")) < 120
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "tcpSocket" in c["livenessProbe"]  # a draining worker answers 503, and lives
+    pod = by_kind(children, "Deployment", "disaggregated-kvpool-prefill")["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["tolerations"] == SCHEDULING["tolerations"]
+    assert pod["spec"]["volumes"] == [
+        {"name": "model", "hostPath": {"path": "/data/llama", "type": "Directory"}}
+    ]
+
+
+def test_worker_image_follows_the_gpu_request_unless_the_spec_names_one() -> None:
+    images = Images(worker="w:cuda", worker_cpu="w:cpu", vllm="v", router="r")
+    gpu = render("p", NS, validate_pool("p", SPECS["aggregated-kvpool"]), images)
+    assert container(by_kind(gpu, "Deployment", "p-decode"))["image"] == "w:cuda"
+    cpu_spec = {"model": {"name": "tiny", "source": {"builtin": {}}}}
+    cpu = render("p", NS, validate_pool("p", cpu_spec), images)
+    assert container(by_kind(cpu, "Deployment", "p-decode"))["image"] == "w:cpu"
+    named = dict(cpu_spec, engine={"image": "mine:1"})
+    mine = render("p", NS, validate_pool("p", named), images)
+    assert container(by_kind(mine, "Deployment", "p-decode"))["image"] == "mine:1"
+
+
+def test_builtin_model_is_made_by_an_init_container_for_workers_and_router() -> None:
+    spec = {"model": {"name": "tiny", "source": {"builtin": {"seed": 3}}}}
+    children = render("t", NS, validate_pool("t", spec), Images())
+    for name in ("t-decode", "t-router"):
+        pod = by_kind(children, "Deployment", name)["spec"]["template"]["spec"]
+        init = pod["initContainers"][0]
+        assert init["command"] == ["kvpool", "worker", "make-tiny-model"]
+        assert init["args"] == ["/models/source/tiny-llama", "--seed", "3"]
+        assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    config = by_kind(children, "ConfigMap", "t-router")["data"]
+    assert config["KVPOOL_ROUTER_MODEL"] == "/models/source/tiny-llama"
+
+
+def test_router_gets_the_tokenizer_of_a_model_baked_into_the_image_by_copy() -> None:
+    children = rendered("aggregated-vllm")
+    pod = by_kind(children, "Deployment", "aggregated-vllm-router")["spec"]["template"]["spec"]
+    copy = pod["initContainers"][0]
+    assert copy["image"] == Images().vllm
+    assert "/models/qwen2.5-7b" in copy["command"][-1]
+    assert "! -name '*.safetensors'" in copy["command"][-1]  # never the weights
+    config = by_kind(children, "ConfigMap", "aggregated-vllm-router")["data"]
+    assert config["KVPOOL_ROUTER_MODEL"] == "/models/tokenizer"
+
+
+def test_router_may_list_and_watch_pods_in_its_namespace_and_nothing_more() -> None:
+    children = rendered("aggregated-kvpool")
+    role = by_kind(children, "Role", "aggregated-kvpool-router")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    binding = by_kind(children, "RoleBinding", "aggregated-kvpool-router")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "aggregated-kvpool-router", "namespace": NS}
+    ]
+    router = by_kind(children, "Deployment", "aggregated-kvpool-router")
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "aggregated-kvpool-router"
+
+
+def test_a_router_config_change_rolls_the_router_pods() -> None:
+    base = SPECS["aggregated-kvpool"]
+    other = dict(base, router={"replicas": 2, "policy": "round-robin"})
+
+    def config_hash(spec: dict[str, Any]) -> str:
+        children = render("p", NS, validate_pool("p", spec), Images())
+        template = by_kind(children, "Deployment", "p-router")["spec"]["template"]
+        return template["metadata"]["annotations"]["kvpool.io/config-hash"]
+
+    assert config_hash(base) != config_hash(other)
+    assert config_hash(base) == config_hash(dict(base))
+
+
+def test_pod_template_overrides_merge_containers_by_name_and_replace_other_lists() -> None:
+    spec = dict(
+        SPECS["aggregated-kvpool"],
+        decode={
+            "podTemplate": {
+                "metadata": {"annotations": {"team": "search"}},
+                "spec": {
+                    "priorityClassName": "inference",
+                    "containers": [
+                        {"name": "worker", "env": [{"name": "EXTRA", "value": "1"}]},
+                        {"name": "sidecar", "image": "busybox"},
+                    ],
+                },
+            }
+        },
+    )
+    children = render("p", NS, validate_pool("p", spec), Images())
+    template = by_kind(children, "Deployment", "p-decode")["spec"]["template"]
+    assert template["metadata"]["annotations"]["team"] == "search"
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert template["spec"]["priorityClassName"] == "inference"
+    names = [c["name"] for c in template["spec"]["containers"]]
+    assert names == ["worker", "sidecar"]
+    worker = template["spec"]["containers"][0]
+    assert worker["command"] == ["kvpool", "worker", "serve"]  # kept from the rendering
+    assert [e["name"] for e in worker["env"]] == ["POD_IP", "HF_HUB_OFFLINE", "EXTRA"]
+
+
+def test_merge_template_merges_named_lists_item_by_item() -> None:
+    base = {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}], "args": ["x"]}
+    over = {"env": [{"name": "B", "value": "3"}, {"name": "C", "value": "4"}], "args": ["y"]}
+    assert merge_template(base, over) == {
+        "env": [
+            {"name": "A", "value": "1"},
+            {"name": "B", "value": "3"},
+            {"name": "C", "value": "4"},
+        ],
+        "args": ["y"],
+    }
