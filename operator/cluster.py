@@ -79,7 +79,7 @@ def contains(live: Any, desired: Any) -> bool:
             and all(contains(a, b) for a, b in zip(live, desired, strict=True))
         )
     if isinstance(desired, bool) or isinstance(live, bool):
-        return live == desired
+        return type(live) is type(desired) and live == desired
     return live == desired or str(live) == str(desired)
 
 

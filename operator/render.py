@@ -297,6 +297,24 @@ def _resources(resources: Any) -> Manifest:
     return out
 
 
+def _add_pod_parts(
+    pod_spec: Manifest,
+    init: list[Manifest],
+    volumes: list[Manifest],
+    scheduling: Any,
+    affinity: Manifest | None,
+) -> None:
+    """Init containers, volumes and scheduling, each only when there is one."""
+    parts = {
+        "initContainers": init,
+        "volumes": volumes,
+        "nodeSelector": dict(scheduling.node_selector),
+        "tolerations": copy.deepcopy(scheduling.tolerations),
+        "affinity": copy.deepcopy(affinity),
+    }
+    pod_spec.update({k: v for k, v in parts.items() if v})
+
+
 def worker_deployment(
     pool: str, namespace: str, spec: InferencePoolSpec, role: str, images: Images
 ) -> Manifest:
@@ -330,16 +348,7 @@ def worker_deployment(
         "containers": [container],
     }
     init = _builtin_init(spec, images)
-    if init is not None:
-        pod_spec["initContainers"] = [init]
-    if volumes:
-        pod_spec["volumes"] = volumes
-    if role_spec.node_selector:
-        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
-    if role_spec.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(role_spec.tolerations)
-    if role_spec.affinity:
-        pod_spec["affinity"] = copy.deepcopy(role_spec.affinity)
+    _add_pod_parts(pod_spec, [init] if init else [], volumes, role_spec, role_spec.affinity)
 
     selector = selector_labels(pool, "worker", role)
     template: Manifest = {
@@ -516,14 +525,7 @@ def router_deployment(
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
     }
-    if init:
-        pod_spec["initContainers"] = init
-    if volumes:
-        pod_spec["volumes"] = volumes
-    if router.node_selector:
-        pod_spec["nodeSelector"] = dict(router.node_selector)
-    if router.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(router.tolerations)
+    _add_pod_parts(pod_spec, init, volumes, router, None)
     selector = selector_labels(pool, "router")
     annotations = {
         **_scrape_annotations(ROUTER_PORT),

@@ -95,13 +95,17 @@ def build_status(
     previous = previous or {}
     prev_conditions = previous.get("conditions") or []
     deps = observed.deployments
-    roles = list(spec.roles()) if spec is not None else []
+    # Without a valid spec, the roles are those that run (left as they were).
+    if spec is not None:
+        roles = list(spec.roles())
+    else:
+        roles = [r for r in ("prefill", "decode") if deps.get(r) is not None]
     status: dict[str, Any] = {"observedGeneration": observed.generation}
 
+    router_dep = deps.get("router")
     for role in ("prefill", "decode"):
         status[role] = role_status(deps.get(role)) if role in roles else None
-    router_dep = deps.get("router")
-    if spec is not None and endpoint:
+    if endpoint and (spec is not None or router_dep is not None):
         router = role_status(router_dep)
         status["router"] = {
             "endpoint": endpoint,
@@ -115,20 +119,19 @@ def build_status(
     # Ready: judged on what runs, whether or not the latest spec was valid.
     missing = []
     router_ready = int(((router_dep or {}).get("status") or {}).get("availableReplicas", 0) or 0)
-    if spec is None:
-        missing.append("no valid spec yet")
-    else:
-        if router_ready < 1:
-            missing.append("router: no available replica")
-        for role in roles:
-            if status[role]["readyReplicas"] < 1:
-                missing.append(f"{role}: no ready worker ({status[role]['summary']})")
+    if not roles:
+        missing.append("no worker Deployment: no valid spec applied yet")
+    if router_ready < 1:
+        missing.append("router: no available replica")
+    for role in roles:
+        if status[role]["readyReplicas"] < 1:
+            missing.append(f"{role}: no ready worker ({status[role]['summary']})")
     if missing:
         ready = cond("Ready", "False", "NotReady", "; ".join(missing))
     else:
         ready = cond("Ready", "True", "Serving", "router and every role have ready replicas")
 
-    moving = [r for g in ["router", *roles] if spec is not None and (r := _rolling(deps.get(g)))]
+    moving = [r for g in ["router", *roles] if (r := _rolling(deps.get(g)))]
     if moving:
         progressing = cond("Progressing", "True", "RollingOut", "; ".join(moving))
     else:

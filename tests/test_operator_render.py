@@ -332,3 +332,14 @@ def test_merge_template_merges_named_lists_item_by_item() -> None:
         ],
         "args": ["y"],
     }
+
+
+def test_an_autoscaled_role_starts_within_its_bounds() -> None:
+    spec = {
+        **SPECS["disaggregated-kvpool"],
+        "decode": {"replicas": 1},
+        "prefill": {"replicas": 9},
+    }
+    children = render("p", NS, validate_pool("p", spec), Images())
+    assert by_kind(children, "Deployment", "p-decode")["spec"]["replicas"] == 2  # min 2
+    assert by_kind(children, "Deployment", "p-prefill")["spec"]["replicas"] == 4  # max 4

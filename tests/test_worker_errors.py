@@ -453,3 +453,19 @@ def test_serve_with_bad_setting_exits_2_naming_it(
     assert len(lines) == 1, done.stderr
     assert named in lines[0] and "bad settings" in lines[0], lines[0]
     assert done.stdout == ""
+
+
+def test_drain_command_drains_the_local_worker_as_a_prestop_hook_would(
+    start_worker: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvpool.stack import free_port
+    from kvpool.worker.cli import main as worker_main
+
+    w = start_worker(drain_timeout_s=1)
+    port = httpx.URL(w.url).port
+    assert worker_main(["drain", "--port", str(port)]) == 0
+    assert '"drained": true' in capsys.readouterr().out
+    assert_error_body(httpx.get(w.url + "/health", timeout=10), 503, "draining")
+
+    assert worker_main(["drain", "--port", str(free_port())]) == 1  # nothing listens there
+    assert "kvpool worker drain: http://127.0.0.1:" in capsys.readouterr().err
