@@ -117,6 +117,7 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from .api import KIND as API_KIND
     from .api.manifests import ManifestError, load_pools
 
     failed = 0
@@ -127,6 +128,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"{path}: {exc}", file=sys.stderr)
             failed += 1
             continue
+        if not pools:
+            print(f"{path}: no {API_KIND} (kvpool.io) in it", file=sys.stderr)
+            failed += 1
         for name, _ in pools:
             print(f"{path}: InferencePool {name}: valid")
     return 1 if failed else 0

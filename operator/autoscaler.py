@@ -304,6 +304,8 @@ def _decide_role(
     within = abs(top.ratio - 1) <= policy.tolerance
     if within:
         raw = current
+    elif not math.isfinite(current * top.ratio):
+        raw = bounds.max_replicas  # a near-zero rate or target: as much as allowed
     else:
         raw = math.ceil(current * top.ratio - _EPS)
     proposal = bounds.clamp(raw)

@@ -477,3 +477,16 @@ def signals_for(signals: Signals, name: str) -> RoleSignals:
     rs = signals.decode if name == "decode" else signals.prefill
     assert rs is not None
     return rs
+
+
+def test_a_near_zero_prefill_rate_scales_up_by_a_step_without_overflowing() -> None:
+    # A learned rate of 5e-324 tokens/s makes the backlog pressure infinite.
+    signals = Signals(
+        time=0.0,
+        ttft_s=None,
+        itl_s=None,
+        prefill=role(2, queued=1.0, rate=5e-324),
+        decode=role(2),
+    )
+    recs, _ = decide(DISAGGREGATED, signals, AutoscalerState())
+    assert recs["prefill"].desired == 2 + DISAGGREGATED.scale_up.max_step

@@ -11,9 +11,10 @@ Not to be confused with the Gateway API Inference Extension's ``InferencePool``
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from .rules import Rule, RuledModel
@@ -30,16 +31,43 @@ SHORT_NAMES = ("kvpool",)
 # DNS labels of at most 63 characters, which leaves this much for the pool's own name.
 MAX_NAME_LENGTH = 48
 ROLES = ("prefill", "decode")
+# The API server reports a rule of the root object at the root, so its message names the field.
+NAME_RULE = Rule(
+    cel=f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+    message=f"metadata.name: at most {MAX_NAME_LENGTH} characters"
+    " (children are named <pool>-prefill, <pool>-decode, <pool>-router)",
+    check=lambda name: len(name) <= MAX_NAME_LENGTH,
+)
 VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
+
+
+def _int_or_string(pattern: str, minimum: int | None, what: str, examples: str) -> Any:
+    """An integer or a string matching ``pattern``, checked as one value so that a bad one
+    gets one message (a plain union names both of its branches, and the regex)."""
+    regex = re.compile(pattern)
+
+    def check(value: Any) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if minimum is None or value >= minimum:
+                return value
+        elif isinstance(value, str) and regex.fullmatch(value):
+            return value
+        raise ValueError(f"not {what}: {value!r} (e.g. {examples})")
+
+    integer = {"type": "integer"} if minimum is None else {"type": "integer", "minimum": minimum}
+    schema = {"anyOf": [integer, {"type": "string", "pattern": pattern}]}
+    return Annotated[int | str, PlainValidator(check), WithJsonSchema(schema), "int-or-string"]
+
+
 # A resource quantity ("8Gi", "500m", 1) or a count-or-percentage ("25%", 1): integers or
 # strings on the wire, which the CRD marks x-kubernetes-int-or-string.
-Quantity = Annotated[int | Annotated[str, Field(pattern=QUANTITY_PATTERN)], "int-or-string"]
-IntOrPercent = Annotated[int | Annotated[str, Field(pattern=r"^[0-9]+%$")], "int-or-string"]
+Quantity = _int_or_string(QUANTITY_PATTERN, None, "a quantity", "8Gi, 500m, 2")
+IntOrPercent = _int_or_string(r"^[0-9]+%$", 0, "a count or a percentage", "1, 25%")
 # Kubernetes objects we pass through to pods as they are (affinity, tolerations, env
 # sources): the API server checks them when the Deployment is written.
 FreeForm = dict[str, Any]
@@ -158,23 +186,31 @@ class KVTransferSpec(Spec):
     )
 
 
+def _python_hash_seed(seed: str) -> bool:
+    """Whether Python takes ``seed`` as PYTHONHASHSEED: otherwise vLLM's interpreter exits at
+    start-up. (ASCII digits only: str.isdigit() also takes "²", which CEL's regex does not.)"""
+    return re.fullmatch(r"[0-9]{1,10}", seed) is not None and int(seed) <= 4294967295
+
+
 class EngineSpec(RuledSpec):
     rules = (
         Rule(
             cel="!has(self.type) || self.type != 'vllm' || !has(self.hashSeed)"
-            " || self.hashSeed.matches('^[0-9]+$')",
-            message="engine.hashSeed must be a decimal integer for vllm (it is PYTHONHASHSEED)",
-            check=lambda s: s.type != "vllm" or s.hash_seed.isdigit(),
+            " || (self.hashSeed.matches('^[0-9]{1,10}$') && int(self.hashSeed) <= 4294967295)",
+            message="engine.hashSeed for vllm is a decimal integer from 0 to 4294967295"
+            " (it is PYTHONHASHSEED)",
+            check=lambda s: s.type != "vllm" or _python_hash_seed(s.hash_seed),
         ),
         Rule(
             cel="!has(self.type) || self.type != 'vllm' || !has(self.blockSize)"
-            " || self.blockSize in [1, 8, 16, 32, 64, 128, 256]",
-            message="engine.blockSize for vllm is one of 1, 8, 16, 32, 64, 128, 256",
+            f" || self.blockSize in {list(VLLM_BLOCK_SIZES)}",
+            message="engine.blockSize for vllm is one of " + ", ".join(map(str, VLLM_BLOCK_SIZES)),
             check=lambda s: s.type != "vllm" or s.block_size in VLLM_BLOCK_SIZES,
         ),
         Rule(
-            cel="!has(self.kvEvents) || !has(self.kvEvents.port) || !has(self.kvEvents.replayPort)"
-            " || self.kvEvents.port != self.kvEvents.replayPort",
+            cel="!has(self.kvEvents)"
+            " || (has(self.kvEvents.port) ? self.kvEvents.port : 5557)"
+            " != (has(self.kvEvents.replayPort) ? self.kvEvents.replayPort : 5558)",
             message="engine.kvEvents.port and replayPort must differ",
             check=lambda s: s.kv_events.port != s.kv_events.replay_port,
         ),
@@ -204,18 +240,21 @@ class ResourceRequirements(Spec):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
+def _zero(value: int | str) -> bool:
+    """0, "0%", "00%": what a Deployment reads as none."""
+    return re.fullmatch(r"0+%?", str(value)) is not None
+
+
 class RolloutSpec(RuledSpec):
     """The rolling update of a role's Deployment (GPUs are scarce: surge is one pod)."""
 
     rules = (
         Rule(
-            cel="!(has(self.maxSurge) && has(self.maxUnavailable)"
-            " && string(self.maxSurge) in ['0', '0%']"
-            " && string(self.maxUnavailable) in ['0', '0%'])",
+            cel="!((has(self.maxSurge) ? string(self.maxSurge) : '1').matches('^0+%?$')"
+            " && (has(self.maxUnavailable) ? string(self.maxUnavailable) : '0')"
+            ".matches('^0+%?$'))",
             message="rollout.maxSurge and rollout.maxUnavailable cannot both be zero",
-            check=lambda s: (
-                not (str(s.max_surge) in ("0", "0%") and str(s.max_unavailable) in ("0", "0%"))
-            ),
+            check=lambda s: not (_zero(s.max_surge) and _zero(s.max_unavailable)),
         ),
     )
 
@@ -301,7 +340,7 @@ class SLOSpec(RuledSpec):
 class ReplicaBounds(RuledSpec):
     rules = (
         Rule(
-            cel="self.minReplicas <= self.maxReplicas",
+            cel="(has(self.minReplicas) ? self.minReplicas : 1) <= self.maxReplicas",
             message="minReplicas must not exceed maxReplicas",
             check=lambda s: s.min_replicas <= s.max_replicas,
         ),
@@ -388,8 +427,8 @@ class InferencePoolSpec(RuledSpec):
         ),
         Rule(
             cel=f"!has(self.model.tokenizer) || {_ENGINE} == 'vllm'",
-            message="model.tokenizer is for vllm workers; kvpool workers read the tokenizer"
-            " from the model directory",
+            message="model.tokenizer is for vllm workers (kvpool workers read the tokenizer"
+            " from the model directory)",
             check=lambda s: s.model.tokenizer is None or s.engine.type == "vllm",
         ),
     )
@@ -419,7 +458,12 @@ class InferencePoolSpec(RuledSpec):
     def autoscaled(self, role: str) -> bool:
         """True when the autoscaler, not the spec, owns this role's replica count."""
         a = self.autoscaling
-        return a.enabled and a.mode == "Active" and getattr(a, role) is not None
+        return (
+            role in self.roles()
+            and a.enabled
+            and a.mode == "Active"
+            and getattr(a, role) is not None
+        )
 
 
 # --- status ---------------------------------------------------------------------------------
@@ -486,8 +530,8 @@ def validate_pool(name: str, spec: Any) -> InferencePoolSpec:
     from pydantic import ValidationError
 
     problems = []
-    if len(name) > MAX_NAME_LENGTH:
-        problems.append(f"metadata.name: at most {MAX_NAME_LENGTH} characters, got {len(name)}")
+    if not NAME_RULE.check(name):
+        problems.append(NAME_RULE.message)
     try:
         pool = InferencePoolSpec.model_validate(spec)
     except ValidationError as e:

@@ -6,6 +6,10 @@ predicate with the same meaning, which the pydantic model runs so that the opera
 ``kvpool check``) refuse it too: an API server without CEL, or a CRD older than the
 operator, must not let a bad spec through to the children. A test evaluates both forms on
 the same objects so that they cannot drift apart.
+
+A CEL rule reads an absent field as its default (``has(self.port) ? self.port : 5557``): the
+API server fills the schema's defaults in before it validates, but the rule then means what
+the Python predicate means without them too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ class Rule:
     cel: str  # evaluated with ``self`` bound to the object in its JSON form
     message: str
     check: Callable[[Any], bool]  # the same test, on the pydantic model
+
+    def __post_init__(self) -> None:
+        if "; " in self.message:
+            raise ValueError(f"a rule's message has no '; ' (it joins messages): {self.message}")
 
     def crd_entry(self) -> dict[str, str]:
         return {"rule": self.cel, "message": self.message}
