@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -161,7 +161,10 @@ def autoscale_step(
     now = clock()
     replicas: dict[str, tuple[int, int]] = {}
     for role in spec.roles():
-        dep = cluster.deployment(namespace, f"{name}-{role}") or {}
+        dep = cluster.deployment(namespace, f"{name}-{role}")
+        if dep is None:  # not created yet (or deleted by hand): sync makes it first
+            rt.autoscaling = ("False", "Waiting", f"Deployment {name}-{role} does not exist yet")
+            return
         replicas[role] = (
             int((dep.get("spec") or {}).get("replicas", 0) or 0),
             int((dep.get("status") or {}).get("readyReplicas", 0) or 0),
@@ -179,7 +182,19 @@ def autoscale_step(
         rt.autoscaling, rt.autoscaler_status = None, None
         return
 
-    recommendations, runtime.state = decide(policy_from_spec(spec), signals, runtime.state)
+    before = runtime.state
+    recommendations, runtime.state = decide(policy_from_spec(spec), signals, before)
+    if a.mode == "Advisory":
+        # Nothing was changed, so nothing starts a cooldown: the advice stays what the
+        # metrics say, round after round.
+        runtime.state = AutoscalerState(
+            {
+                role: replace(h, last_change=before.roles[role].last_change)
+                if role in before.roles
+                else replace(h, last_change=None)
+                for role, h in runtime.state.roles.items()
+            }
+        )
     recommendation = {}
     for role, rec in recommendations.items():
         applied = False
@@ -190,7 +205,13 @@ def autoscale_step(
                      rec.current, rec.desired, rec.reason)  # fmt: skip
         entry = _decision(rec, stamp, applied)
         recommendation[role] = entry
-        if rec.desired != rec.current:
+        previous = next((d for d in reversed(runtime.decisions) if d["role"] == role), None)
+        repeated = (
+            previous is not None
+            and not applied
+            and (previous["current"], previous["desired"]) == (rec.current, rec.desired)
+        )
+        if rec.desired != rec.current and not repeated:  # advice given again is not news
             runtime.decisions = [*runtime.decisions, entry][-MAX_DECISIONS:]
     holding = all(r.reason.startswith("hold: no") for r in recommendations.values())
     if a.mode == "Advisory":
