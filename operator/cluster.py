@@ -204,8 +204,7 @@ class Cluster:
             except ApiException as exc:
                 if exc.status != 404:
                     raise
-            log.info("deleted %s %s/%s: no longer part of pool %s", *key[:1], namespace, key[1],
-                     pool)  # fmt: skip
+            log.info("deleted %s %s/%s: no longer part of pool %s", key[0], namespace, key[1], pool)
             deleted.append(f"{key[0]}/{key[1]}")
         return deleted
 

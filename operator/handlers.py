@@ -4,9 +4,10 @@
   prune, status);
 * any event on a child (edited or deleted by hand, or a Deployment's pods becoming ready)
   -> :func:`sync` of its pool, which restores the child and refreshes the status;
-* one daemon per pool: every ``autoscaling.intervalSeconds`` it scrapes the router and the
-  workers, asks :mod:`kvpool.operator.autoscaler` for replicas, applies them (``Active``)
-  or only records them (``Advisory``), and syncs the pool again as a safety net.
+* one operator thread over every pool: each ``autoscaling.intervalSeconds`` (or the resync
+  interval) it scrapes the router and the workers, asks :mod:`kvpool.operator.autoscaler`
+  for replicas, applies them (``Active``) or only records them (``Advisory``), and syncs
+  the pool again as a safety net.
 
 Status is written in one place, :func:`sync`, from :func:`kvpool.operator.status.build_status`.
 kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status.
@@ -14,8 +15,11 @@ kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -110,8 +114,6 @@ def _autoscaled_paths(spec: InferencePoolSpec, child: dict[str, Any]) -> list[tu
 
 
 def _describe_api_error(exc: ApiException, child: dict[str, Any]) -> str:
-    import json
-
     try:
         message = json.loads(exc.body or "{}").get("message") or exc.reason
     except ValueError:
@@ -205,8 +207,6 @@ def reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
 
 def _plain(body: Any) -> dict[str, Any]:
     """kopf's live body view as plain data (what the API server sent)."""
-    import copy
-
     return copy.deepcopy(dict(body))
 
 
@@ -263,8 +263,6 @@ def pool_seen(event: dict[str, Any], namespace: str, name: str, **_: Any) -> Non
 
 
 def _loop() -> None:
-    import time
-
     while not _loop_stop.wait(0.5):
         with _pools_lock:
             due = [k for k, t in _due.items() if t <= time.monotonic()]
@@ -296,7 +294,7 @@ def tick(namespace: str, name: str) -> float:
             autoscale_step(cluster(), namespace, name, spec, rt, now(), settings.scrape_timeout_s)
         elif spec is not None:
             rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
-        sync(namespace, name)
+        sync(namespace, name)  # reads the pool again: the scrape may have taken seconds
     except Exception:  # the next round tries again; the pool keeps serving
         log.exception("InferencePool %s/%s: periodic round failed", namespace, name)
     return interval

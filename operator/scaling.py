@@ -39,14 +39,15 @@ def policy_from_spec(spec: InferencePoolSpec) -> ScalingPolicy:
     a = spec.autoscaling
     slo = spec.slo
 
-    def bounds(role: str) -> Bounds | None:
+    def bounds(role: str) -> Bounds:
+        """The spec's bounds; without them (Advisory, SLO only) up to the spec's count."""
         b = getattr(a, role)
-        return None if b is None else Bounds(b.min_replicas, b.max_replicas)
+        if b is None:
+            return Bounds(1, max(1, spec.roles()[role].replicas))
+        return Bounds(b.min_replicas, b.max_replicas)
 
-    decode = bounds("decode") or Bounds(1, max(1, spec.decode.replicas))
+    decode = bounds("decode")
     prefill = bounds("prefill") if spec.prefill is not None else None
-    if spec.prefill is not None and prefill is None:
-        prefill = Bounds(1, max(1, spec.prefill.replicas))
     quantile = slo.quantile if slo else 0.9
     return ScalingPolicy(
         decode=decode,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -37,10 +36,3 @@ def load_pools(path: str | Path) -> list[tuple[str, InferencePoolSpec]]:
         except ValueError as exc:
             raise ManifestError(f"InferencePool {name}: {exc}") from None
     return pools
-
-
-def pool_objects(path: str | Path) -> list[dict[str, Any]]:
-    """The InferencePool objects of a YAML file as dicts (to apply them), after validation."""
-    load_pools(path)
-    docs = yaml.safe_load_all(Path(path).read_text())
-    return [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
