@@ -162,26 +162,19 @@ async def hot_prompt_load(url: str, sizes: list[tuple[int, int]], rate: float) -
 @pytest.mark.slow
 def test_one_system_prompt_for_every_request_spreads_over_the_pool(worker_processes, start_router):
     """The prompt every request shares must not pile onto the worker that cached it first:
-    in-flight requests stay within 1.5x of the mean, and the time to first token beats
-    least-loaded routing (which balances counts, not prefill work)."""
+    in-flight requests stay within 1.5x of the mean, and every worker gets some. How its time
+    to first token compares with least-loaded routing is a timing goal, measured side by
+    side by ``bench/routing.py`` (workload ``hot``), not asserted here."""
     # Simulated steps three times as long as the H100 model's, so that the workers' time, not
     # this 2-core machine's, makes the latencies.
     workers = worker_processes(
         4, max_model_len=8192, num_blocks=4096, max_waiting_tokens=200_000, sim_time_scale=3
     )
-    urls = [w.url for w in workers]
-    results = {}
-    for policy in ("kvpool", "least-loaded"):
-        for w in workers:  # the same cold start for both
-            httpx.post(w.url + "/reset_prefix_cache", timeout=10).raise_for_status()
-        router = start_router(worker=urls, policy=policy)
-        router.wait_workers_up(4)
-        results[policy] = asyncio.run(hot_prompt_load(router.url, hot_prompt_sizes(200), rate=20))
-        router.stop()
-    ours, baseline = results["kvpool"], results["least-loaded"]
+    router = start_router(worker=[w.url for w in workers], policy="kvpool")
+    router.wait_workers_up(4)
+    ours = asyncio.run(hot_prompt_load(router.url, hot_prompt_sizes(200), rate=20))
     assert ours["imbalance"] <= 1.5, ours
-    assert len(ours["workers"]) == 4
-    assert ours["ttft_p90"] < baseline["ttft_p90"], results
+    assert len(ours["workers"]) == 4, ours
 
 
 # -- failures ----------------------------------------------------------------------------------
