@@ -43,6 +43,10 @@ OUTCOMES = (
 )
 
 
+#: why ``kvpool_router_retries_total`` sent a request again
+RETRY_REASONS = ("connect", "connection", "timeout", "overloaded", "5xx")
+
+
 class _PoolCollector(Collector):
     def __init__(self, workers: Callable[[], list[WorkerState]], index: BlockIndex) -> None:
         self.workers = workers
@@ -146,6 +150,8 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in RETRY_REASONS:  # a dashboard's rate() reads 0, not nothing
+            self.retries.labels(reason)
         self.ttft = Histogram(
             "kvpool_router_time_to_first_token_seconds",
             "Time from the request's arrival at the router to its first streamed token.",
