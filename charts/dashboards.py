@@ -43,8 +43,20 @@ def rate(metric: str, match: str = POOL, by: str = "") -> str:
     return f"sum{grouping} (rate({metric}{{{match}}}[{WINDOW}]))"
 
 
+def increase(metric: str, match: str = POOL, by: str = "") -> str:
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping} (increase({metric}{{{match}}}[{WINDOW}]))"
+
+
+def agg(fn: str, metric: str, match: str = POOL, by: str = "") -> str:
+    """An aggregation of a gauge, e.g. ``max by (worker) (metric{...})``."""
+    grouping = f" by ({by})" if by else ""
+    return f"{fn}{grouping} ({metric}{{{match}}})"
+
+
 def quantile(q: str, histogram: str, match: str = POOL, by: str = "") -> str:
-    return f"histogram_quantile({q}, {rate(histogram + '_bucket', match, ', '.join(['le', *filter(None, [by])]))})"
+    buckets = rate(histogram + "_bucket", match, f"le, {by}" if by else "le")
+    return f"histogram_quantile({q}, {buckets})"
 
 
 def ratio(numerator: str, denominator: str, match: str = POOL, by: str = "") -> str:
@@ -264,7 +276,7 @@ ROUTING = Dashboard(
                     "Requests the router has sent to each worker that have not finished.",
                     [
                         (
-                            f"sum by (worker) (kvpool_router_worker_in_flight_requests{{{POOL}}})",
+                            agg("sum", "kvpool_router_worker_in_flight_requests", by="worker"),
                             "{{worker}}",
                         )
                     ],
@@ -276,7 +288,7 @@ ROUTING = Dashboard(
                     "come back.",
                     [
                         (
-                            f"sum by (worker) (kvpool_router_worker_queued_prefill_tokens{{{POOL}}})",
+                            agg("sum", "kvpool_router_worker_queued_prefill_tokens", by="worker"),
                             "{{worker}}",
                         )
                     ],
@@ -310,11 +322,11 @@ ROUTING = Dashboard(
                     "its index entries were dropped for it, per 5 minutes.",
                     [
                         (
-                            f"sum by (worker) (increase(kvpool_router_kv_event_gaps_total{{{POOL}}}[{WINDOW}]))",
+                            increase("kvpool_router_kv_event_gaps_total", by="worker"),
                             "gaps {{worker}}",
                         ),
                         (
-                            f"sum by (worker) (increase(kvpool_router_kv_event_resyncs_total{{{POOL}}}[{WINDOW}]))",
+                            increase("kvpool_router_kv_event_resyncs_total", by="worker"),
                             "resyncs {{worker}}",
                         ),
                     ],
@@ -332,7 +344,7 @@ ROUTING = Dashboard(
                     "KV blocks the router's index holds for each worker.",
                     [
                         (
-                            f"max by (worker) (kvpool_router_worker_indexed_blocks{{{POOL}}})",
+                            agg("max", "kvpool_router_worker_indexed_blocks", by="worker"),
                             "{{worker}}",
                         )
                     ],
@@ -469,8 +481,6 @@ WORKERS = Dashboard(
     ],
 )
 
-OPERATOR_ROLE = 'namespace="$namespace", pool="$pool", role=~"$role"'
-
 AUTOSCALING = Dashboard(
     "kvpool-autoscaling",
     "kvpool / Autoscaling",
@@ -487,15 +497,15 @@ AUTOSCALING = Dashboard(
                     "passing readiness.",
                     [
                         (
-                            f"max by (role) (kvpool_operator_desired_replicas{{{OPERATOR_ROLE}}})",
+                            agg("max", "kvpool_operator_desired_replicas", ROLE, "role"),
                             "desired {{role}}",
                         ),
                         (
-                            f"max by (role) (kvpool_operator_ready_replicas{{{OPERATOR_ROLE}}})",
+                            agg("max", "kvpool_operator_ready_replicas", ROLE, "role"),
                             "ready {{role}}",
                         ),
                         (
-                            f"max by (role) (kvpool_operator_recommended_replicas{{{OPERATOR_ROLE}}})",
+                            agg("max", "kvpool_operator_recommended_replicas", ROLE, "role"),
                             "recommended {{role}}",
                         ),
                     ],
@@ -505,8 +515,11 @@ AUTOSCALING = Dashboard(
                     "Decisions per 5 minutes, by role and direction (Advisory: advice given).",
                     [
                         (
-                            "sum by (role, direction, mode) (increase("
-                            f"kvpool_operator_scaling_decisions_total{{{OPERATOR_ROLE}}}[{WINDOW}]))",
+                            increase(
+                                "kvpool_operator_scaling_decisions_total",
+                                ROLE,
+                                "role, direction, mode",
+                            ),
                             "{{role}} {{direction}} ({{mode}})",
                         )
                     ],
@@ -546,8 +559,10 @@ AUTOSCALING = Dashboard(
                     "Requests queued at the role's workers, over its ready replicas.",
                     [
                         (
-                            f"sum by (role) (vllm:num_requests_waiting{{{ROLE}}}) / "
-                            f"clamp_min(max by (role) (kvpool_operator_ready_replicas{{{OPERATOR_ROLE}}}), 1)",
+                            agg("sum", "vllm:num_requests_waiting", ROLE, "role")
+                            + " / clamp_min("
+                            + agg("max", "kvpool_operator_ready_replicas", ROLE, "role")
+                            + ", 1)",
                             "{{role}}",
                         )
                     ],

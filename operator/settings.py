@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,6 +13,7 @@ from kvpool.settings_cli import build_settings, settings_values
 from .render import Images
 
 ENV_PREFIX = "KVPOOL_OPERATOR_"
+MAX_PRIORITY = 2**31 - 1
 _DEFAULT_IMAGES = Images()
 
 
@@ -29,7 +31,21 @@ class OperatorSettings(BaseModel):
     scrape_timeout_s: float = Field(2.0, gt=0)
     # kopf peering: two replicas of the operator with the same name take turns, one active
     peering: str | None = None
+    # The highest live priority is the active replica; equal priorities freeze every replica,
+    # so unset means a random one, chosen at start (see :func:`peer_priority`).
+    priority: int | None = Field(None, ge=0, le=MAX_PRIORITY)
+    # how long a replica that stopped sending keep-alives counts as alive (kopf's lifetime)
+    peering_lifetime_s: int = Field(60, ge=1, le=3600)
     liveness_port: int | None = Field(None, ge=1, le=65535)
+    # Prometheus /metrics of the operator itself; 0: a free port (logged); unset: not served
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+
+    def peer_priority(self) -> int:
+        """The priority given, or a random one: two replicas drawing from two billion values
+        do not tie in practice, and a tie would pause both (kopf's rule)."""
+        if self.priority is not None:
+            return self.priority
+        return random.SystemRandom().randint(1, MAX_PRIORITY)
 
     def images(self) -> Images:
         return Images(
