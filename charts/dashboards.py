@@ -654,7 +654,7 @@ def build(d: Dashboard) -> dict[str, object]:
             builder.with_panel(_panel(p))
     built = builder.build()
     for i, panel in enumerate(built.panels or [], 1):
-        panel.id = i
+        panel.id_val = i
     return json.loads(json.dumps(built, cls=JSONEncoder))
 
 
