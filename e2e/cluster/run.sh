@@ -144,9 +144,8 @@ trap 'exit 143' TERM
 find_dockerfile() {  # $1: worker|router; the Dockerfile to build it from, if there is one
     local override=$2 f
     if [[ -n $override ]]; then printf '%s' "$override"; return 0; fi
-    for f in "docker/$1-cpu.Dockerfile" "docker/$1.Dockerfile" "docker/Dockerfile.$1-cpu" \
-        "docker/Dockerfile.$1" "Dockerfile.$1-cpu" "Dockerfile.$1"; do
-        if [[ $1 == router && $f == *-cpu* ]]; then continue; fi
+    for f in "$1/Dockerfile.cpu" "$1/Dockerfile"; do
+        if [[ $1 == router && $f == *.cpu ]]; then continue; fi
         if [[ -f $ROOT/$f ]]; then printf '%s' "$ROOT/$f"; return 0; fi
     done
     return 1
