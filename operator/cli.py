@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -20,20 +21,34 @@ from kvpool.settings_cli import add_settings_arguments
 
 from .settings import ENV_PREFIX, OperatorSettings, load
 
+log = logging.getLogger(__name__)
+
 
 def _cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
     from . import handlers
+    from .peering import own_identity
 
     settings = load(args)
     handlers.SETTINGS = settings
+    logging.getLogger().handlers.clear()  # kopf's handler replaces the generic one
     kopf.configure(verbose=args.verbose)
+    # Our own id and priority, as kopf writes them in the peering object, are what the
+    # operator's loop compares with the other replicas' (peering.is_active).
+    handlers.IDENTITY = own_identity()
+    priority = None
+    if settings.peering is not None:
+        priority = settings.peer_priority()
+        log.info("peering %r as %s with priority %d (lifetime %ds)", settings.peering,
+                 handlers.IDENTITY, priority, settings.peering_lifetime_s)  # fmt: skip
     kopf.run(
         clusterwide=not settings.namespace,
         namespaces=settings.namespace,
         standalone=settings.peering is None,
         peering_name=settings.peering,
+        priority=priority,
+        identity=handlers.IDENTITY,
         liveness_endpoint=(
             f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
         ),

@@ -7,7 +7,10 @@
 * one operator thread over every pool: each ``autoscaling.intervalSeconds`` (or the resync
   interval) it scrapes the router and the workers, asks :mod:`kvpool.operator.autoscaler`
   for replicas, applies them (``Active``) or only records them (``Advisory``), and syncs
-  the pool again as a safety net.
+  the pool again as a safety net. With two replicas (kopf peering), only the active one
+  runs it (:mod:`kvpool.operator.peering`), as kopf runs the handlers only there.
+* ``/metrics`` (:mod:`kvpool.operator.metrics`), made from what this module keeps of
+  each pool, when ``metrics_port`` is set.
 
 Status is written in one place, :func:`sync`, from :func:`kvpool.operator.status.build_status`.
 kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,14 +34,18 @@ from kubernetes.client.exceptions import ApiException
 from kvpool.api import API_VERSION, GROUP, KIND, PLURAL, VERSION, validate_pool
 from kvpool.api.inferencepool import InferencePoolSpec
 
+from . import metrics
 from . import settings as settings_module
 from .cluster import Cluster
-from .render import GROUP_LABEL, MANAGED_BY, POOL_LABEL, render, router_endpoint
+from .peering import PeeringReader, kubernetes_fetch
+from .render import GROUP_LABEL, MANAGED_BY, POOL_LABEL, ROLE_LABEL, render, router_endpoint
+from .scaling import autoscale_step, start_decision_counters
 from .status import Observed, build_status
 
 log = logging.getLogger(__name__)
 
 SETTINGS: settings_module.OperatorSettings | None = None
+IDENTITY: str | None = None  # this replica's kopf peer id, as ``kvpool operator run`` passed it
 _cluster: Cluster | None = None
 _cluster_lock = threading.Lock()
 
@@ -71,6 +79,15 @@ class PoolRuntime:
     slo: tuple[str, str, str] | None = None
     autoscaling: tuple[str, str, str] | None = None
     scaler: Any = None  # the autoscaler's state and metrics window (see autoscale_step)
+    # For /metrics, by the workers' role label. The metrics thread reads them while the
+    # handlers write: each is replaced whole, never changed in place.
+    phase: str | None = None
+    replicas: dict[str, tuple[int, int]] = field(default_factory=dict)  # (desired, ready)
+    recommended: dict[str, int] = field(default_factory=dict)
+    decisions_total: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    slo_targets: dict[str, float] = field(default_factory=dict)  # ttft/itl -> seconds
+    slo_quantile: float | None = None
+    latency: dict[str, float] = field(default_factory=dict)  # ttft/itl -> seconds
 
 
 _pools: dict[tuple[str, str], PoolRuntime] = {}
@@ -100,7 +117,45 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 8
-    operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
+    ops = operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
+    settings.peering.lifetime = ops.peering_lifetime_s
+
+
+def _configure_peering(
+    settings: kopf.OperatorSettings, ops: settings_module.OperatorSettings
+) -> None:
+    """Standalone: active. With peering: active while the peering object says so."""
+    global _peering, _active
+    if settings.peering.standalone:
+        _peering, _active = None, True
+        return
+    identity = IDENTITY or os.environ.get("POD_ID")
+    if identity is None:
+        log.warning("peering %r: this replica's peer id is unknown (set POD_ID, or start it "
+                    "with kvpool operator run): a live peer of equal priority may be this "
+                    "one, so only a higher one pauses the loop", settings.peering.name)  # fmt: skip
+    _peering = PeeringReader(
+        kubernetes_fetch(lambda: cluster().client, settings.peering.name),
+        identity,
+        settings.peering.priority,
+        namespaces=None if settings.peering.clusterwide else ops.namespace or None,
+        mandatory=settings.peering.mandatory,
+        lifetime_s=settings.peering.lifetime,
+    )
+    _active = False
+
+
+# --- which replica is active (kopf peering) -------------------------------------------------
+
+_peering: PeeringReader | None = None  # None: standalone
+_active = False
+
+
+def active() -> bool:
+    """Whether this replica may act now (read at most once a second with peering)."""
+    global _active
+    _active = True if _peering is None else _peering.active()
+    return _active
 
 
 # --- the pool -------------------------------------------------------------------------------
@@ -131,7 +186,7 @@ def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: b
     try:
         while True:
             rt.pending = False
-            _sync_once(namespace, name, body, prune, rt)
+            _timed_sync_once(namespace, name, body, prune, rt)
             body = None  # later rounds read the pool afresh
             if not rt.pending:
                 break
@@ -139,13 +194,28 @@ def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: b
         rt.lock.release()
 
 
-def _sync_once(
+def _timed_sync_once(
     namespace: str, name: str, body: dict[str, Any] | None, prune: bool, rt: PoolRuntime
 ) -> None:
+    started = time.perf_counter()
+    result: str | None = "error"
+    try:
+        result = _sync_once(namespace, name, body, prune, rt)
+    finally:
+        if result is not None:
+            metrics.RECONCILES.labels(result).inc()
+            metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+
+
+def _sync_once(
+    namespace: str, name: str, body: dict[str, Any] | None, prune: bool, rt: PoolRuntime
+) -> str | None:
+    """One reconcile; its result for the metrics (ok, invalid, error), or None when the
+    pool is gone."""
     c = cluster()
     body = body if body is not None else c.pool(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-        return  # gone or going: garbage collection removes the children
+        return None  # gone or going: garbage collection removes the children
     meta = body["metadata"]
     generation = int(meta.get("generation", 0) or 0)
     previous = body.get("status") or {}
@@ -196,6 +266,43 @@ def _sync_once(
     status = build_status(spec, observed, previous, now(), endpoint)
     if status != {k: previous.get(k) for k in status}:
         c.patch_status(namespace, name, status)
+    _record_for_metrics(rt, spec, deployments, status)
+    return "invalid" if error else "error" if apply_error else "ok"
+
+
+def _record_for_metrics(
+    rt: PoolRuntime,
+    spec: InferencePoolSpec | None,
+    deployments: dict[str, Any],
+    status: dict[str, Any],
+) -> None:
+    replicas = {}
+    for role in ("prefill", "decode"):
+        dep = deployments.get(role)
+        if dep is None or (spec is not None and role not in spec.roles()):
+            continue
+        if spec is not None:
+            label = spec.worker_role_label(role)
+        else:  # as it runs: the label its pods carry
+            template = (dep.get("spec") or {}).get("template") or {}
+            label = ((template.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL, role)
+        replicas[label] = (
+            int((dep.get("spec") or {}).get("replicas", 0) or 0),
+            int((dep.get("status") or {}).get("readyReplicas", 0) or 0),
+        )
+    rt.replicas = replicas
+    rt.phase = status.get("phase")
+    if spec is None:
+        return  # the last valid spec's SLO and autoscaling stand
+    slo = spec.slo
+    targets = {}
+    if slo is not None and slo.ttft_milliseconds is not None:
+        targets["ttft"] = slo.ttft_milliseconds / 1000
+    if slo is not None and slo.itl_milliseconds is not None:
+        targets["itl"] = slo.itl_milliseconds / 1000
+    rt.slo_targets = targets
+    rt.slo_quantile = slo.quantile if slo is not None else None
+    start_decision_counters(rt, spec)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -264,9 +371,17 @@ def pool_seen(event: dict[str, Any], namespace: str, name: str, **_: Any) -> Non
 
 def _loop() -> None:
     while not _loop_stop.wait(0.5):
+        try:
+            if not active():  # another replica scales and resyncs; kopf pauses us too
+                continue
+        except Exception:
+            log.exception("peering: cannot tell whether this replica is active")
+            continue
         with _pools_lock:
             due = [k for k, t in _due.items() if t <= time.monotonic()]
         for namespace, name in due:
+            if _loop_stop.is_set() or not active():
+                break
             interval = tick(namespace, name)
             with _pools_lock:
                 if (namespace, name) in _due:
@@ -276,14 +391,15 @@ def _loop() -> None:
 def tick(namespace: str, name: str) -> float:
     """One round for a pool: measure (and scale) if it asks to, then resync. Returns the
     seconds until its next round."""
-    from .scaling import autoscale_step
-
     settings = operator_settings()
     interval = settings.resync_interval_s
     rt = runtime(namespace, name)
     try:
         body = cluster().pool(namespace, name)
-        if body is None:
+        if body is None:  # deleted while this replica was paused, so its event was missed
+            with _pools_lock:
+                _due.pop((namespace, name), None)
+                _pools.pop((namespace, name), None)
             return interval
         try:
             spec = validate_pool(name, body.get("spec") or {})
@@ -294,6 +410,7 @@ def tick(namespace: str, name: str) -> float:
             autoscale_step(cluster(), namespace, name, spec, rt, now(), settings.scrape_timeout_s)
         elif spec is not None:
             rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
+            rt.recommended, rt.latency = {}, {}
         sync(namespace, name)  # reads the pool again: the scrape may have taken seconds
     except Exception:  # the next round tries again; the pool keeps serving
         log.exception("InferencePool %s/%s: periodic round failed", namespace, name)
@@ -301,8 +418,9 @@ def tick(namespace: str, name: str) -> float:
 
 
 @kopf.on.startup()
-def start_loop(**_: Any) -> None:
+def start_loop(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _loop_thread
+    _configure_peering(settings, operator_settings())
     _loop_stop.clear()
     _loop_thread = threading.Thread(target=_loop, name="kvpool-operator-loop", daemon=True)
     _loop_thread.start()
@@ -316,3 +434,58 @@ def stop_loop(**_: Any) -> None:
     with _pools_lock:
         _due.clear()
         _pools.clear()
+
+
+# --- /metrics -------------------------------------------------------------------------------
+
+_metrics_server: Any = None
+
+
+def metrics_snapshot() -> metrics.OperatorView:
+    """What /metrics shows now. A paused replica shows no pool: the active one does."""
+    if not _active:
+        return metrics.OperatorView(active=False)
+    with _pools_lock:
+        pools = list(_pools.items())
+    return metrics.OperatorView(
+        active=True,
+        pools=tuple(
+            metrics.PoolView(
+                namespace=namespace,
+                name=name,
+                phase=rt.phase,
+                roles=tuple(
+                    metrics.RoleView(role, desired, ready)
+                    for role, (desired, ready) in rt.replicas.items()
+                ),
+                recommended=rt.recommended,
+                decisions=rt.decisions_total,
+                slo_targets=rt.slo_targets,
+                slo_quantile=rt.slo_quantile,
+                latency=rt.latency,
+            )
+            for (namespace, name), rt in pools
+        ),
+    )
+
+
+@kopf.on.startup()
+def start_metrics(**_: Any) -> None:
+    global _metrics_server
+    port = operator_settings().metrics_port
+    if port is not None:
+        _metrics_server = metrics.serve(metrics.make_registry(metrics_snapshot), port)
+
+
+def metrics_port() -> int | None:
+    """The port /metrics is served on (the one bound, when the setting was 0)."""
+    return _metrics_server.server_port if _metrics_server is not None else None
+
+
+@kopf.on.cleanup()
+def stop_metrics(**_: Any) -> None:
+    global _metrics_server
+    if _metrics_server is not None:
+        _metrics_server.shutdown()
+        _metrics_server.server_close()
+        _metrics_server = None

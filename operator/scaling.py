@@ -4,7 +4,9 @@ The deciding is pure (:mod:`.signals`, :mod:`.autoscaler`); this module gathers 
 from the cluster (the pool's pods, scraped on their ``prometheus.io/port``) and acts on the
 answer: in ``Active`` mode it writes the Deployments' replicas, and only then (one owner:
 the spec's replicas of an autoscaled role are not applied), in ``Advisory`` mode it only
-records. Either way the recommendation and the last five changes go to the pool's status.
+records. Either way the recommendation and the last five changes go to the pool's status,
+and the recommendation, the windowed latencies and a count of decisions to the operator's
+``/metrics`` (through the pool's runtime record, ``rt``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .signals import MetricsWindow, Signals, build_signals
 log = logging.getLogger(__name__)
 
 MAX_DECISIONS = 5
+DIRECTIONS = ("up", "down")
 
 
 @dataclass
@@ -133,6 +136,26 @@ def slo_condition(spec: InferencePoolSpec, signals: Signals) -> tuple[str, str, 
     return ("False", "Missed", message)
 
 
+def start_decision_counters(rt: Any, spec: InferencePoolSpec) -> None:
+    """Start the decision counters of every role the autoscaler decides for at 0, so that
+    ``rate()`` over them gives 0, not nothing, before the first decision."""
+    a = spec.autoscaling
+    if not a.enabled:
+        return
+    keys = [(spec.worker_role_label(role), d, a.mode) for role in spec.roles() for d in DIRECTIONS]
+    if any(k not in rt.decisions_total for k in keys):
+        rt.decisions_total = {**{k: 0 for k in keys}, **rt.decisions_total}
+
+
+def _count_decision(rt: Any, spec: InferencePoolSpec, rec: Recommendation) -> None:
+    key = (
+        spec.worker_role_label(rec.role),
+        "up" if rec.desired > rec.current else "down",
+        spec.autoscaling.mode,
+    )
+    rt.decisions_total = {**rt.decisions_total, key: rt.decisions_total.get(key, 0) + 1}
+
+
 def _decision(rec: Recommendation, stamp: str, applied: bool) -> dict[str, Any]:
     return {
         "time": stamp,
@@ -179,9 +202,15 @@ def autoscale_step(
         ttft_quantile=quantile, itl_quantile=quantile,
     )  # fmt: skip
     rt.slo = slo_condition(spec, signals)
+    rt.latency = {
+        metric: value
+        for metric, value in (("ttft", signals.ttft_s), ("itl", signals.itl_s))
+        if value is not None
+    }
     if not a.enabled:
-        rt.autoscaling, rt.autoscaler_status = None, None
+        rt.autoscaling, rt.autoscaler_status, rt.recommended = None, None, {}
         return
+    start_decision_counters(rt, spec)
 
     before = runtime.state
     recommendations, runtime.state = decide(policy_from_spec(spec), signals, before)
@@ -197,6 +226,7 @@ def autoscale_step(
             }
         )
     recommendation = {}
+    rt.recommended = {spec.worker_role_label(r.role): r.desired for r in recommendations.values()}
     for role, rec in recommendations.items():
         applied = False
         if a.mode == "Active" and rec.desired != rec.current:
@@ -214,6 +244,7 @@ def autoscale_step(
         )
         if rec.desired != rec.current and not repeated:  # advice given again is not news
             runtime.decisions = [*runtime.decisions, entry][-MAX_DECISIONS:]
+            _count_decision(rt, spec, rec)
     holding = all(r.reason.startswith("hold: no") for r in recommendations.values())
     if a.mode == "Advisory":
         rt.autoscaling = ("False", "Advisory", "recommendations are recorded, not applied")

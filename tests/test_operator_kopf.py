@@ -207,6 +207,7 @@ async def kube(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> A
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
     monkeypatch.setenv("KVPOOL_OPERATOR_RESYNC_INTERVAL_S", "2")
     monkeypatch.setenv("KVPOOL_OPERATOR_SCRAPE_TIMEOUT_S", "1")
+    monkeypatch.setenv("KVPOOL_OPERATOR_METRICS_PORT", "0")  # a free port: handlers.metrics_port()
     monkeypatch.setattr(handlers, "SETTINGS", None)
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         crd = yaml.safe_load((Path(__file__).parents[1] / "crds/inferencepool.yaml").read_text())

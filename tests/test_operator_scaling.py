@@ -142,3 +142,18 @@ def test_slo_condition_compares_the_windowed_quantile_with_the_target(
     assert (status, reason) == expected
     if itl is not None:
         assert message.startswith(f"ITL p90 {itl * 1000:.0f}ms")
+
+
+def test_decisions_are_counted_for_metrics_by_role_label_direction_and_mode() -> None:
+    advisory = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "Advisory"}}
+    with worker_metrics(kv_usage=0.99, waiting=12) as port:
+        active = run_rounds(SPEC, Cluster(2, port), [0.0])
+        advised = run_rounds(advisory, Cluster(2, port), [0.0, 15.0, 30.0])
+    # an aggregated pool: its one role is "both" on the workers' pods, so in the metrics
+    assert active.decisions_total == {("both", "up", "Active"): 1, ("both", "down", "Active"): 0}
+    assert active.recommended == {"both": 4}
+    # the same advice three times is one decision
+    assert advised.decisions_total == {
+        ("both", "up", "Advisory"): 1,
+        ("both", "down", "Advisory"): 0,
+    }
