@@ -102,6 +102,30 @@ def model_dir(spec: InferencePoolSpec) -> str:
     return MODEL_MOUNT  # hostPath
 
 
+# Our images (router, kvpool worker) run as uid 65532 and write only under /tmp (HOME and the
+# Hugging Face caches point there), so their pods run restricted: non-root, read-only root
+# filesystem, no capabilities, an emptyDir at /tmp. vLLM's image runs as root and writes to
+# its home directory: its pods are left as vLLM ships them.
+POD_SECURITY: Manifest = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: Manifest = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+TMP_VOLUME: Manifest = {"name": "tmp", "emptyDir": {}}
+TMP_MOUNT: Manifest = {"name": "tmp", "mountPath": "/tmp"}
+
+
+def _restrict(pod_spec: Manifest) -> None:
+    """Run every container of ``pod_spec`` restricted, each with a writable /tmp."""
+    pod_spec["securityContext"] = copy.deepcopy(POD_SECURITY)
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), copy.deepcopy(TMP_VOLUME)]
+    for c in pod_spec["containers"] + pod_spec.get("initContainers", []):
+        c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
+        c["volumeMounts"] = [*c.get("volumeMounts", []), copy.deepcopy(TMP_MOUNT)]
+
+
 def _model_volume(spec: InferencePoolSpec) -> Manifest | None:
     src = spec.model.source
     if src.pvc is not None:
@@ -349,6 +373,8 @@ def worker_deployment(
     }
     init = _builtin_init(spec, images)
     _add_pod_parts(pod_spec, [init] if init else [], volumes, role_spec, role_spec.affinity)
+    if engine.type == "kvpool":
+        _restrict(pod_spec)
 
     selector = selector_labels(pool, "worker", role)
     template: Manifest = {
@@ -526,6 +552,7 @@ def router_deployment(
         "containers": [container],
     }
     _add_pod_parts(pod_spec, init, volumes, router, None)
+    _restrict(pod_spec)
     selector = selector_labels(pool, "router")
     annotations = {
         **_scrape_annotations(ROUTER_PORT),

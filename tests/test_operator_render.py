@@ -228,8 +228,36 @@ def test_kvpool_workers_publish_events_and_drain_before_they_stop() -> None:
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert pod["spec"]["tolerations"] == SCHEDULING["tolerations"]
     assert pod["spec"]["volumes"] == [
-        {"name": "model", "hostPath": {"path": "/data/llama", "type": "Directory"}}
+        {"name": "model", "hostPath": {"path": "/data/llama", "type": "Directory"}},
+        {"name": "tmp", "emptyDir": {}},
     ]
+
+
+def test_our_images_run_restricted_and_vllm_runs_as_it_ships() -> None:
+    """Router and kvpool worker pods: non-root, read-only root, no capabilities, a writable
+    /tmp for every container (init containers too); vLLM's root image is left alone."""
+    spec = {**SPECS["aggregated-kvpool"], "model": {"name": "t", "source": {"builtin": {}}}}
+    for children in (
+        rendered("disaggregated-kvpool"),
+        render("t", NS, validate_pool("t", spec), Images()),
+    ):
+        for dep in (c for c in children if c["kind"] == "Deployment"):
+            pod = dep["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True, dep["metadata"]["name"]
+            assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True, c["name"]
+                assert sc["allowPrivilegeEscalation"] is False
+                assert sc["capabilities"] == {"drop": ["ALL"]}
+                assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], c["name"]
+    vllm = rendered("disaggregated-vllm")
+    for dep in (
+        c for c in vllm if c["kind"] == "Deployment" and "router" not in c["metadata"]["name"]
+    ):
+        pod = dep["spec"]["template"]["spec"]
+        assert "securityContext" not in pod
+        assert all("securityContext" not in c for c in pod["containers"])
 
 
 def test_worker_image_follows_the_gpu_request_unless_the_spec_names_one() -> None:
