@@ -1,0 +1,136 @@
+{{/*
+The chart's name, as in app.kubernetes.io/name.
+*/}}
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The full name of the release's objects: <release>-<chart>, or the release name when it
+already holds the chart's name (release "kvpool" -> "kvpool").
+*/}}
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels of every object: the standard app.kubernetes.io set and helm.sh/chart.
+*/}}
+{{- define "kvpool.labels" -}}
+helm.sh/chart: {{ include "kvpool.chart" . }}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvpool
+{{- end }}
+
+{{/*
+Labels of the operator's own objects (its Deployment, pods, Service, RBAC, ...).
+*/}}
+{{- define "kvpool.operatorLabels" -}}
+{{ include "kvpool.labels" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/*
+The operator pods' selector (immutable once installed: never add to it).
+*/}}
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kvpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The kopf peering object's name, shared by every replica.
+*/}}
+{{- define "kvpool.peeringName" -}}
+{{- default (include "kvpool.fullname" .) .Values.peering.name }}
+{{- end }}
+
+{{/*
+The operator's image tag; the children's default images follow it.
+*/}}
+{{- define "kvpool.tag" -}}
+{{- default .Chart.AppVersion .Values.image.tag }}
+{{- end }}
+
+{{/*
+A child image "repository:tag": (list $image $defaultTag).
+*/}}
+{{- define "kvpool.childImage" -}}
+{{- $image := index . 0 }}
+{{- printf "%s:%s" $image.repository (default (index . 1) $image.tag) }}
+{{- end }}
+
+{{/*
+The rules on the namespaced kinds the operator reads and writes: the same whether granted
+cluster-wide (ClusterRole) or in each watched namespace (Role). Each rule says why.
+*/}}
+{{- define "kvpool.namespacedRules" -}}
+# The pools: kopf lists and watches them, and patches its bookkeeping annotations
+# (kvpool.io/*) onto them; a sync reads one pool afresh (get).
+- apiGroups: ["kvpool.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "patch"]
+# The pool's status, written in one place (sync) with a merge patch.
+- apiGroups: ["kvpool.io"]
+  resources: ["inferencepools/status"]
+  verbs: ["patch"]
+# The children of a pool: kopf watches each kind (a child edited or deleted by hand is
+# restored); apply reads, creates and merge-patches; prune lists and deletes; the
+# autoscaler merge-patches a Deployment's replicas (no deployments/scale).
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Pods: the autoscaler lists a pool's pods to scrape them (list), and each router's Role
+# grants pods list and watch, which Kubernetes lets only a holder of both grant.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+# kopf posts Events about the pools (warnings and handler errors).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/*
+What kopf itself reads cluster-wide: CustomResourceDefinitions (it notices the InferencePool
+CRD being installed or upgraded after the operator started).
+*/}}
+{{- define "kvpool.discoveryRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
