@@ -51,6 +51,8 @@ from kvpool.operator import settings as operator_settings
 from kvpool.operator.cluster import KINDS, Cluster
 from kvpool.operator.render import MANAGED_BY, POOL_LABEL, ROLE_LABEL, Images, render
 
+from kube_emulator import chart_crds, declare_resources, write_kubeconfig
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "kvpool"
 RELEASE = "kvpool"
@@ -132,13 +134,6 @@ def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plain_env(docs: list[dict[str, Any]]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in operator_container(docs)["env"] if "value" in e}
-
-
-def chart_crds() -> dict[str, dict[str, Any]]:
-    return {
-        path.name: yaml.safe_load(path.read_text())
-        for path in sorted((CHART / "crds").glob("*.yaml"))
-    }
 
 
 # --- lint, render, validate -----------------------------------------------------------------
@@ -674,43 +669,6 @@ def test_every_cluster_method_is_exercised_by_the_rbac_run() -> None:
     )
 
 
-def declare_resources(kmock: Any) -> None:
-    """The API the operator meets: the built-in kinds it uses, and the chart's CRDs."""
-    verbs = {"list", "watch", "get", "create", "patch", "update", "delete"}
-    builtin = {
-        "apps/v1/deployments": ("Deployment", True, {"status"}),
-        "v1/services": ("Service", True, set()),
-        "v1/configmaps": ("ConfigMap", True, set()),
-        "v1/serviceaccounts": ("ServiceAccount", True, set()),
-        "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
-        "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
-        "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
-        "v1/pods": ("Pod", True, {"status"}),
-        "v1/events": ("Event", True, set()),
-        "v1/namespaces": ("Namespace", False, set()),
-        "apiextensions.k8s.io/v1/customresourcedefinitions": (
-            "CustomResourceDefinition",
-            False,
-            set(),
-        ),
-    }
-    for key, (kind, namespaced, subresources) in builtin.items():
-        kmock.resources[key] = kmock.ResourceInfo(
-            kind=kind, namespaced=namespaced, verbs=verbs, subresources=subresources
-        )
-    for crd in chart_crds().values():
-        spec = crd["spec"]
-        for version in spec["versions"]:
-            kmock.resources[f"{spec['group']}/{version['name']}/{spec['names']['plural']}"] = (
-                kmock.ResourceInfo(
-                    kind=spec["names"]["kind"],
-                    namespaced=spec["scope"] == "Namespaced",
-                    verbs=verbs,
-                    subresources=set(version.get("subresources") or {}),
-                )
-            )
-
-
 async def eventually(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -761,16 +719,7 @@ async def operator_requests(
     declare_resources(kmock)
     serve_namespaces(monkeypatch)
     url = str(kmock.url).rstrip("/")
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-        "current-context": "kmock",
-    }
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", url)))
     monkeypatch.setenv("POD_ID", "kvpool-0")
     for key, value in env.items():  # the operator's settings, as the chart sets them
         if key.startswith(operator_settings.ENV_PREFIX):

@@ -1,9 +1,9 @@
 """The Grafana dashboards, read as a user's Grafana reads them (the JSON the chart ships).
 
 Whether every panel returns data is proven against a real Prometheus in
-``e2e/test_dashboards.py``; here, what can be checked without one: the committed JSON is what
-``charts/dashboards.py`` writes, every rate is windowed, every panel is scoped by the
-dashboard's variables, and each dashboard shows what it promises.
+``e2e/test_dashboards_prometheus.py``; here, what can be checked without one: the committed
+JSON is what ``charts/dashboards.py`` writes, every rate is windowed, every panel is scoped
+by the dashboard's variables, and each dashboard shows what it promises.
 """
 
 from __future__ import annotations

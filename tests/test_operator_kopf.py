@@ -35,6 +35,8 @@ from kvpool.operator import handlers
 from kvpool.operator.cluster import contains
 from kvpool.operator.render import Images, render
 
+from kube_emulator import declare_resources, write_kubeconfig
+
 NS = "llm"
 API = "/apis/kvpool.io/v1alpha1"
 CHILD_PATHS = {
@@ -62,33 +64,6 @@ POOL_SPEC: dict[str, Any] = {
     "prefill": {"replicas": 1},
     "decode": {"replicas": 2},
 }
-
-
-def declare_resources(kmock: Any) -> None:
-    verbs = {"list", "watch", "get", "create", "patch", "update", "delete"}
-    namespaced = {
-        "apps/v1/deployments": ("Deployment", {"status"}),
-        "v1/services": ("Service", set()),
-        "v1/configmaps": ("ConfigMap", set()),
-        "v1/serviceaccounts": ("ServiceAccount", set()),
-        "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
-        "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set()),
-        "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
-        "v1/pods": ("Pod", {"status"}),
-        "v1/events": ("Event", set()),
-        "kvpool.io/v1alpha1/inferencepools": ("InferencePool", {"status"}),
-    }
-    for key, (kind, subresources) in namespaced.items():
-        kmock.resources[key] = kmock.ResourceInfo(
-            kind=kind, namespaced=True, verbs=verbs, subresources=subresources
-        )
-    # kopf needs to discover namespaces (cluster-wide it never lists them) and watches CRDs.
-    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(
-        kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}
-    )
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get", "create"}
-    )
 
 
 @dataclass
@@ -195,16 +170,7 @@ async def kube(kmock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> A
     """The emulator with the CRD installed and the operator running against it."""
     declare_resources(kmock)
     url = str(kmock.url).rstrip("/")
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-        "current-context": "kmock",
-    }
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", url)))
     monkeypatch.setenv("KVPOOL_OPERATOR_RESYNC_INTERVAL_S", "2")
     monkeypatch.setenv("KVPOOL_OPERATOR_SCRAPE_TIMEOUT_S", "1")
     monkeypatch.setenv("KVPOOL_OPERATOR_METRICS_PORT", "0")  # a free port: handlers.metrics_port()

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import test_operator_kopf as kopf_tests
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from test_operator_kopf import AUTOSCALED, NS, POOL_SPEC, Kube, add_worker_pod, eventually
 
 from kvpool.api import validate_pool
 from kvpool.operator import handlers, metrics
 from kvpool.operator.handlers import PoolRuntime
+
+import test_operator_kopf as kopf_tests
+from test_operator_kopf import AUTOSCALED, NS, POOL_SPEC, Kube, add_worker_pod, eventually
 
 kube = kopf_tests.kube  # the operator, run by KopfRunner against the emulator (a fixture)
 

@@ -22,11 +22,13 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from test_operator_kopf import POOL_SPEC, Kube, declare_resources, eventually
 
 from kvpool.operator import handlers
 from kvpool.operator.peering import PeeringReader, is_active, live_peers
 from kvpool.stack import free_port
+
+from kube_emulator import declare_resources, write_kubeconfig
+from test_operator_kopf import POOL_SPEC, Kube, eventually
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -166,25 +168,9 @@ LIFETIME_S = 5
 @pytest.fixture
 async def emulator(kmock: Any, tmp_path: Path) -> AsyncIterator[tuple[Kube, Path]]:
     """The emulator with the CRD, the kopf.dev peering resources and the peering object."""
-    declare_resources(kmock)
-    verbs = {"list", "watch", "get", "create", "patch", "update", "delete"}
-    kmock.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
-        kind="ClusterKopfPeering", namespaced=False, verbs=verbs
-    )
-    kmock.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
-        kind="KopfPeering", namespaced=True, verbs=verbs
-    )
+    declare_resources(kmock)  # the chart's CRDs: kopf's peerings among them
     url = str(kmock.url).rstrip("/")
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-        "current-context": "kmock",
-    }
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
+    path = write_kubeconfig(tmp_path / "kubeconfig", url)
     async with httpx.AsyncClient(base_url=url, timeout=10) as client:
         crd = yaml.safe_load((Path(__file__).parents[1] / "crds/inferencepool.yaml").read_text())
         r = await client.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd)

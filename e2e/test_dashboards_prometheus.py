@@ -21,6 +21,7 @@ or a label nobody sets, returns nothing and fails its panel's test.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -42,6 +43,19 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tests_module(name: str) -> Any:
+    """A helper module of ``tests/`` (on the path only when ``tests/`` is collected too)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+kube_emulator = _tests_module("kube_emulator")  # the emulator's API, as the operator tests set it
 DASHBOARDS = sorted((ROOT / "charts" / "kvpool" / "dashboards").glob("*.json"))
 KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
 NS, POOL, ROLE = "llm", "tiny", "both"  # the variables' values
@@ -117,7 +131,7 @@ class Emulator:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-            _declare(emulator)
+            kube_emulator.declare_resources(emulator)
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
@@ -132,34 +146,6 @@ class Emulator:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
-
-
-def _declare(emulator: Any) -> None:
-    import kmock
-
-    verbs = {"list", "watch", "get", "create", "patch", "update", "delete"}
-    namespaced = {
-        "apps/v1/deployments": ("Deployment", {"status"}),
-        "v1/services": ("Service", set()),
-        "v1/configmaps": ("ConfigMap", set()),
-        "v1/serviceaccounts": ("ServiceAccount", set()),
-        "rbac.authorization.k8s.io/v1/roles": ("Role", set()),
-        "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", set()),
-        "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
-        "v1/pods": ("Pod", {"status"}),
-        "v1/events": ("Event", set()),
-        "kvpool.io/v1alpha1/inferencepools": ("InferencePool", {"status"}),
-    }
-    for key, (kind, subresources) in namespaced.items():
-        emulator.resources[key] = kmock.ResourceInfo(
-            kind=kind, namespaced=True, verbs=verbs, subresources=subresources
-        )
-    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
-        kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}
-    )
-    emulator.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get", "create"}
-    )
 
 
 # --- the scenario --------------------------------------------------------------------------
@@ -348,22 +334,14 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         try:
             stack, router, workers, model = _start_stack(tmp)
             procs.append(stack)
-            kubeconfig = {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": emulator.url}}],
-                "users": [{"name": "kmock", "user": {}}],
-                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-                "current-context": "kmock",
-            }
-            (tmp / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+            kubeconfig = kube_emulator.write_kubeconfig(tmp / "kubeconfig", emulator.url)
             operator_port = free_port()
             operator_log = (tmp / "operator.log").open("w")
             procs.append(
                 subprocess.Popen(
                     [*KVPOOL, "operator", "run"],
                     env=_env(
-                        KUBECONFIG=str(tmp / "kubeconfig"),
+                        KUBECONFIG=str(kubeconfig),
                         KVPOOL_OPERATOR_METRICS_PORT=str(operator_port),
                         KVPOOL_OPERATOR_RESYNC_INTERVAL_S="5",
                         KVPOOL_OPERATOR_SCRAPE_TIMEOUT_S="2",
