@@ -476,6 +476,9 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
         "KVPOOL_ROUTER_BLOCK_SIZE": str(engine.block_size),
         "KVPOOL_ROUTER_HASH_SEED": engine.hash_seed,
         "KVPOOL_ROUTER_POLICY": router.policy,
+        # when the router splits a request between a prefill and a decode worker
+        "KVPOOL_ROUTER_PD_MODE": spec.disaggregation.mode,
+        "KVPOOL_ROUTER_PD_THRESHOLD_TOKENS": str(spec.disaggregation.threshold_tokens),
     }  # fmt: skip
     if engine.type == "vllm" and engine.kv_events.enabled:
         # vLLM has no /kvpool/info to say where its events are: tell the router.

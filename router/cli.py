@@ -50,6 +50,15 @@ def _cmd_route(args: argparse.Namespace) -> int:
         f"-> {decision['worker']} ({decision['reason']}, policy {decision['policy']}): "
         f"{decision['num_tokens']} tokens, {decision['cached_tokens']} cached"
     )
+    prefill = decision.get("prefill")
+    if prefill:
+        print(
+            f"   split ({decision['pd_reason']}, {decision['uncached_tokens']} uncached): "
+            f"prefill on {prefill['worker']} ({prefill['reason']}, "
+            f"{prefill['cached_tokens']} cached), then decode on {decision['worker']}"
+        )
+    elif "pd_reason" in decision:
+        print(f"   served whole ({decision['pd_reason']})")
     for c in decision["candidates"]:
         if c["filtered"]:
             print(f"   {c['worker']}: filtered by {c['filtered']}")

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .index import BlockIndex
+from .policy import PD_REASONS
 from .pool import WorkerState
 
 # The workers' (vLLM's) buckets, so router and worker latencies line up on one dashboard.
@@ -45,6 +46,16 @@ OUTCOMES = (
 
 #: why ``kvpool_router_retries_total`` sent a request again
 RETRY_REASONS = ("connect", "connection", "timeout", "overloaded", "5xx")
+
+#: how ``kvpool_router_pd_requests_total`` counts a request's way through the pool
+PD_PATHS = (
+    "disaggregated",  # prefilled on a prefill worker, decoded on another
+    "aggregated",  # served whole by one worker, as planned
+    "fallback",  # planned as a split, served whole: no prefill leg succeeded
+)
+
+#: why a prefill leg failed (``kvpool_router_prefill_leg_failures_total``)
+PREFILL_FAILURES = (*RETRY_REASONS, "refused", "no_params")
 
 
 class _PoolCollector(Collector):
@@ -152,6 +163,38 @@ class RouterMetrics:
         )
         for reason in RETRY_REASONS:  # a dashboard's rate() reads 0, not nothing
             self.retries.labels(reason)
+        self.pd_requests = Counter(
+            "kvpool_router_pd_requests",
+            "Requests by the way they were served: disaggregated (prefill worker, then "
+            "decode worker), aggregated (one worker), fallback (a planned split served whole "
+            "because no prefill leg succeeded).",
+            ["path"],
+            registry=r,
+        )
+        self.pd_path = {path: self.pd_requests.labels(path) for path in PD_PATHS}
+        self.pd_decisions = Counter(
+            "kvpool_router_pd_decisions",
+            "Prefill/decode split decisions by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.pd_reason = {reason: self.pd_decisions.labels(reason) for reason in PD_REASONS}
+        self.prefill_leg = Histogram(
+            "kvpool_router_prefill_leg_seconds",
+            "Time from sending a prefill leg to a prefill worker to its answer (the KV "
+            "transfer parameters), successful legs only.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prefill_failures = Counter(
+            "kvpool_router_prefill_leg_failures",
+            "Prefill legs that failed, by reason; the request went to another prefill worker "
+            "or was served whole.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in PREFILL_FAILURES:
+            self.prefill_failures.labels(reason)
         self.ttft = Histogram(
             "kvpool_router_time_to_first_token_seconds",
             "Time from the request's arrival at the router to its first streamed token.",

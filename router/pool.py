@@ -81,6 +81,7 @@ class Ticket:
     queued_ahead: int  # prompt tokens queued there before it
     routed_at: float
     expires_at: float  # when its tokens stop counting as queued if no first token is seen
+    learn: bool = True  # its TTFT measures the worker's prefill (not a decode leg's pull)
     first_token_seen: bool = False
     ended: bool = False
 
@@ -148,7 +149,11 @@ class WorkerState:
 
     # -- a request's life on this worker --------------------------------------------------
 
-    def begin(self, tokens: int, predicted_ttft: float, now: float) -> Ticket:
+    def begin(
+        self, tokens: int, predicted_ttft: float, now: float, *, learn: bool = True
+    ) -> Ticket:
+        """``learn=False``: a decode leg, whose first token waits for a block transfer as
+        well as for its prefill, so its TTFT would teach the prefill model wrong."""
         ticket = Ticket(
             worker=self.id,
             tokens=tokens,
@@ -157,6 +162,7 @@ class WorkerState:
             # A non-streamed answer shows no first token: its tokens leave the queue when
             # they should have been prefilled (twice the prediction, at least 2 s).
             expires_at=now + max(2 * predicted_ttft, 2.0),
+            learn=learn,
         )
         self.in_flight += 1
         self.queued[id(ticket)] = ticket
@@ -168,7 +174,8 @@ class WorkerState:
         if not ticket.first_token_seen:
             ticket.first_token_seen = True
             self.queued.pop(id(ticket), None)
-            self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
+            if ticket.learn:
+                self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
         return ttft
 
     def end(self, ticket: Ticket) -> None:

@@ -6,6 +6,13 @@ worker, claim the worker's load, and proxy. A connection error, a 5xx or a 429 b
 first byte reaches the client sends the request to another worker (bounded attempts, with
 backoff); once a stream has begun, a worker failure ends it with an SSE error event and
 ``[DONE]``, never a hang. The body the client sent is forwarded as it is.
+
+A request the planner splits goes first to a prefill worker (``max_tokens: 1``, not
+streamed, ``kv_transfer_params.do_remote_decode``), whose answer's ``kv_transfer_params``
+are added to the client's body for the decode worker, whose answer is relayed like any
+other. A failed prefill leg is tried on another prefill worker; when none is left, the
+request is served whole (the decode worker computes its prefill): a split never costs the
+client an answer.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import logging
 import math
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import asynccontextmanager
@@ -41,7 +49,7 @@ from kvpool.tokenization import encode_prompt, load_tokenizer, render_chat
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
 from .metrics import RouterMetrics
-from .policy import Decision, Policy, RouteRequest
+from .policy import Decision, Plan, Planner, RouteRequest
 from .pool import Ticket, WorkerPool, WorkerState
 from .settings import RouterSettings
 
@@ -65,6 +73,19 @@ class Routed:
     stream: bool
     num_tokens: int
     keys: list[int]
+    splittable: bool = True  # one prompt: the prefill/decode hand-off carries one
+
+
+@dataclass
+class _DecodeLeg:
+    """The second half of a split: the body with the prefill worker's ``kv_transfer_params``
+    and where they came from (to release the blocks if no decode worker takes them)."""
+
+    body: bytes
+    params: dict[str, Any]
+    prefill: WorkerState
+    tail_tokens: int  # what the decode worker computes itself: the part of a block
+    sent: bool = False  # a decode worker got it: that worker pulls and releases the blocks
 
 
 class _Failed(Exception):
@@ -80,7 +101,8 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = s = settings
         self.hasher = BlockHasher(block_size=s.block_size, hash_seed=s.hash_seed)
-        self.policy = Policy(s.policy_config())
+        self.planner = Planner(s.policy_config(), s.split_config())
+        self.policy = self.planner.aggregated
         self.index = BlockIndex(
             speculative_ttl=s.speculative_ttl_s,
             approx_ttl=s.approx_ttl_s,
@@ -95,6 +117,7 @@ class Router:
         self.draining = False
         self.bound_port: int | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget releases
         self.app = self._build_app()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -124,7 +147,13 @@ class Router:
         else:
             self.discovery = StaticDiscovery(s.static_workers())
         self._discovery_task = asyncio.create_task(self._discover())
-        log.info("router ready: policy %s, %s", s.policy, self.hasher.fingerprint)
+        log.info(
+            "router ready: policy %s, prefill/decode %s (threshold %d tokens), %s",
+            s.policy,
+            s.pd_mode,
+            s.pd_threshold_tokens,
+            self.hasher.fingerprint,
+        )
 
     async def _discover(self) -> None:
         def on_change(endpoints: list[WorkerEndpoint]) -> None:
@@ -249,7 +278,9 @@ class Router:
             is_chat = False  # parse_request names what is wrong with it
         kind = "chat" if is_chat else "completion"
         routed = await self._parse(request, body, kind, check_model=False)
-        decision = self._decide(routed, exclude=set(), dry_run=True)
+        plan = self._plan(routed, dry_run=True)
+        decision = plan.decode
+        prefill = plan.prefill
         return JSONResponse(
             {
                 "worker": decision.worker,
@@ -260,7 +291,20 @@ class Router:
                 "cached_tokens": decision.cached_tokens,
                 "predicted_ttft_s": decision.predicted_ttft_s,
                 "candidates": [asdict(c) for c in decision.candidates],
-                "explanation": decision.explain(),
+                # the prefill/decode split: path, why, and the prefill leg's own decision
+                "path": plan.path,
+                "pd_reason": plan.reason,
+                "uncached_tokens": plan.uncached_tokens,
+                "prefill": None
+                if prefill is None
+                else {
+                    "worker": prefill.worker,
+                    "reason": prefill.reason,
+                    "cached_tokens": prefill.cached_tokens,
+                    "predicted_ttft_s": prefill.predicted_ttft_s,
+                    "candidates": [asdict(c) for c in prefill.candidates],
+                },
+                "explanation": plan.explain(),
             }
         )
 
@@ -389,6 +433,7 @@ class Router:
             stream=bool(req.stream),
             num_tokens=len(tokens),
             keys=keys,
+            splittable=isinstance(req, ChatCompletionRequest) or len(req.prompts()) == 1,
         )
 
     async def _tokens_and_keys(
@@ -431,18 +476,74 @@ class Router:
 
         return tokens_and_keys() if inline else await asyncio.to_thread(tokens_and_keys)
 
-    def _decide(self, routed: Routed, exclude: set[str], *, dry_run: bool = False) -> Decision:
-        pool = self._pool()
-        views = [v for v in pool.views() if v.id not in exclude]
-        req = RouteRequest(
+    def _route_request(self, routed: Routed) -> RouteRequest:
+        return RouteRequest(
             num_tokens=routed.num_tokens,
             block_size=self.settings.block_size,
             matched_blocks=self.index.match(routed.keys),
             model=routed.model if routed.model != self.settings.model else None,
         )
-        return self.policy.decide(req, views, dry_run=dry_run)
+
+    def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
+        return self.planner.plan(
+            self._route_request(routed),
+            self._pool().views(),
+            splittable=routed.splittable,
+            dry_run=dry_run,
+        )
+
+    def _decide(
+        self, routed: Routed, exclude: set[str], *, leg: str = "aggregated", dry_run: bool = False
+    ) -> Decision:
+        """Another worker for a request sent again: ``leg`` is ``aggregated`` (the request
+        whole), ``prefill`` or ``decode`` (one half of a split)."""
+        views = [v for v in self._pool().views() if v.id not in exclude]
+        req = self._route_request(routed)
+        if leg == "prefill":
+            return self.planner.prefill_decision(req, views, dry_run=dry_run)
+        if leg == "decode":
+            return self.planner.decode_decision(req, views, dry_run=dry_run)
+        return self.planner.aggregated.decide(req, views, dry_run=dry_run)
 
     async def _proxy(self, routed: Routed, arrival: float, deadline: float) -> Response:
+        """Plan the request's way (whole, or split), then serve it."""
+        metrics = self._metrics()
+        t0 = time.perf_counter()
+        plan = self._plan(routed)
+        metrics.decision_latency.observe(time.perf_counter() - t0)
+        metrics.pd_reason[plan.reason].inc()
+        if plan.worker is not None:
+            metrics.prompt_tokens.inc(routed.num_tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", routed.request_id, plan.explain())
+        if plan.prefill is None:
+            metrics.pd_path["aggregated"].inc()
+            return await self._serve(routed, arrival, deadline, first=plan.decode)
+        assert plan.prefill is not None
+        metrics.predicted_hit_tokens.inc(plan.prefill.cached_tokens)
+        leg = await self._prefill(routed, plan.prefill, deadline)
+        if leg is None:  # no prefill worker could do it: the request is served whole
+            metrics.pd_path["fallback"].inc()
+            return await self._serve(routed, arrival, deadline, first=None, count_hit=True)
+        metrics.pd_path["disaggregated"].inc()
+        try:  # the decode worker is chosen now, by its load now that the prefill is done
+            return await self._serve(routed, arrival, deadline, first=None, leg=leg)
+        finally:
+            if not leg.sent:  # no decode worker got the blocks: free them now
+                self._release_prefill(leg)
+
+    async def _serve(
+        self,
+        routed: Routed,
+        arrival: float,
+        deadline: float,
+        *,
+        first: Decision | None,
+        leg: _DecodeLeg | None = None,
+        count_hit: bool = False,
+    ) -> Response:
+        """Send the request (whole, or a split's decode leg) to the worker of ``first`` or,
+        failing that, to others in turn, and answer the client with what one of them says."""
         s = self.settings
         metrics = self._metrics()
         pool = self._pool()
@@ -450,38 +551,60 @@ class Router:
         failures: list[str] = []
         suspects: list[WorkerState] = []  # answered 5xx: charged once another worker answers
         last: _Failed | None = None
+        headers = {"x-kvpool-prefill-worker": leg.prefill.id} if leg is not None else {}
         for attempt in range(s.max_attempts):
             if attempt:
                 await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
                 if time.monotonic() >= deadline:
                     break  # the request's time is spent: no other worker gets it
-            t0 = time.perf_counter()
-            decision = self._decide(routed, tried)
-            metrics.decision_latency.observe(time.perf_counter() - t0)
+            if attempt == 0 and first is not None:
+                decision = first
+            else:
+                t0 = time.perf_counter()
+                decision = self._decide(routed, tried, leg="decode" if leg else "aggregated")
+                metrics.decision_latency.observe(time.perf_counter() - t0)
             if decision.worker is None:
                 break
             if last is not None:  # sent again: the last worker failed before any byte
                 metrics.retries.labels(last.reason).inc()
             state = pool.workers[decision.worker]
             state.decisions[decision.reason] += 1
-            if attempt == 0:
-                metrics.prompt_tokens.inc(routed.num_tokens)
+            if attempt == 0 and (first is not None or count_hit) and leg is None:
                 metrics.predicted_hit_tokens.inc(decision.cached_tokens)
-            log.debug("request %s: %s", routed.request_id, decision.explain())
+            if decision is not first and log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: %s", routed.request_id, decision.explain())
             self.index.speculate(state.id, routed.keys)
             now = time.monotonic()
-            ticket = state.begin(
-                routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
-            )
+            if leg is None:
+                ticket = state.begin(
+                    routed.num_tokens - decision.cached_tokens,
+                    decision.predicted_ttft_s or 0.0,
+                    now,
+                )
+            else:  # its prefill is pulled: it computes the tail, after the transfer
+                ticket = state.begin(leg.tail_tokens, 0.0, now, learn=False)
             state.breaker.on_attempt(now)
             tried.add(state.id)
             try:
-                resp = await self._send(state, routed, deadline)
+                resp = await self._send(
+                    state, routed, deadline, body=leg.body if leg is not None else None
+                )
+                if leg is not None:
+                    leg.sent = True
                 # Another worker answered: the 5xx before it were those workers' fault.
                 for suspect in suspects:
                     suspect.breaker.on_failure(time.monotonic())
                 suspects.clear()
-                return await self._respond(state, ticket, routed, resp, arrival, deadline)
+                return await self._respond(
+                    state,
+                    ticket,
+                    routed,
+                    resp,
+                    arrival,
+                    deadline,
+                    headers=headers,
+                    count_usage=leg is None,
+                )
             except _Failed as exc:
                 state.end(ticket)
                 last = exc
@@ -515,16 +638,140 @@ class Router:
             headers={"Retry-After": "1"} if last.status in (429, 503) else None,
         )
 
-    async def _send(self, state: WorkerState, routed: Routed, deadline: float) -> httpx.Response:
+    # -- the prefill leg of a split ---------------------------------------------------------
+
+    async def _prefill(self, routed: Routed, first: Decision, deadline: float) -> _DecodeLeg | None:
+        """Run the prefill leg on the worker of ``first``, or on other prefill workers in
+        turn if it fails; the decode leg that follows, or None if no prefill worker did it
+        (the caller then serves the request whole)."""
+        s = self.settings
+        metrics = self._metrics()
+        pool = self._pool()
+        request = json.loads(routed.body)
+        body = _prefill_body(request)
+        tried: set[str] = set()
+        suspects: list[WorkerState] = []
+        last: _Failed | None = None
+        decision: Decision | None = first
+        for attempt in range(s.max_attempts):
+            if attempt:
+                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
+                if time.monotonic() >= deadline:
+                    break
+                t0 = time.perf_counter()
+                decision = self._decide(routed, tried, leg="prefill")
+                metrics.decision_latency.observe(time.perf_counter() - t0)
+            if decision is None or decision.worker is None:
+                break
+            if last is not None:
+                metrics.retries.labels(last.reason).inc()
+            state = pool.workers[decision.worker]
+            state.decisions[decision.reason] += 1
+            if attempt and log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s: prefill %s", routed.request_id, decision.explain())
+            self.index.speculate(state.id, routed.keys)
+            now = time.monotonic()
+            ticket = state.begin(
+                routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
+            )
+            state.breaker.on_attempt(now)
+            tried.add(state.id)
+            leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
+            try:
+                answer = await self._prefill_leg(state, routed, body, leg_deadline)
+                state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
+            except _Failed as exc:
+                last = exc
+                metrics.prefill_failures.labels(exc.reason).inc()
+                log.warning(
+                    "request %s: prefill leg on %s failed: %s", routed.request_id, state.id, exc
+                )
+                if exc.reason == "5xx":
+                    suspects.append(state)
+                if exc.reason in ("refused", "no_params"):
+                    break  # a refusal of the split itself: another prefill worker would too
+                continue
+            finally:
+                state.end(ticket)
+            for suspect in suspects:
+                suspect.breaker.on_failure(time.monotonic())
+            metrics.prefill_leg.observe(time.monotonic() - now)
+            usage = answer.get("usage")
+            if isinstance(usage, dict):  # the prefill worker's cache is the one that counts
+                self._observe_usage(usage)
+            params = answer["kv_transfer_params"]
+            full = routed.num_tokens // self.settings.block_size * self.settings.block_size
+            return _DecodeLeg(
+                body=json.dumps({**request, "kv_transfer_params": params}).encode(),
+                params=params,
+                prefill=state,
+                tail_tokens=max(routed.num_tokens - full, 1),
+            )
+        log.warning(
+            "request %s: no prefill leg succeeded (%s); serving it whole",
+            routed.request_id,
+            last or "no prefill worker",
+        )
+        return None
+
+    async def _prefill_leg(
+        self, state: WorkerState, routed: Routed, body: bytes, deadline: float
+    ) -> dict[str, Any]:
+        """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`_Failed`."""
+        resp = await self._send(state, routed, deadline, body=body)
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                content = await resp.aread()
+        except TimeoutError:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
+        except (httpx.HTTPError, OSError) as exc:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
+        finally:
+            await resp.aclose()
+        text = content.decode(errors="replace")
+        if resp.status_code != 200:
+            raise _Failed("refused", f"{resp.status_code} {_error_message(text)[:300]}")
+        try:
+            answer = json.loads(content)
+            params = answer.get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            answer, params = None, None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            raise _Failed("no_params", f"the answer has no kv_transfer_params: {text[:200]}")
+        state.breaker.on_success()
+        return answer
+
+    def _release_prefill(self, leg: _DecodeLeg) -> None:
+        """Free blocks pinned for a decode leg that no worker got (a kvpool prefill worker's
+        ``DELETE /kv/{id}``; any other's pin times out on its own)."""
+        rid = leg.params.get("remote_request_id")
+        if leg.prefill.info is None or not isinstance(rid, str) or self.client is None:
+            return
+        url = f"{leg.prefill.url}/kv/{urllib.parse.quote(rid, safe='')}"
+
+        async def delete() -> None:
+            assert self.client is not None
+            with contextlib.suppress(Exception):  # best effort: the pin times out anyway
+                await self.client.delete(url, timeout=5.0)
+
+        task = asyncio.ensure_future(delete())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send(
+        self, state: WorkerState, routed: Routed, deadline: float, *, body: bytes | None = None
+    ) -> httpx.Response:
         """The worker's response with its headers read, or :class:`_Failed` if this worker
-        cannot answer it (and another may)."""
+        cannot answer it (and another may). ``body``: a split's leg, not the client's."""
         assert self.client is not None
         pool = self._pool()
         now = time.monotonic()
         request = self.client.build_request(
             "POST",
             state.url + routed.path,
-            content=routed.body,
+            content=routed.body if body is None else body,
             headers={"content-type": "application/json", "x-request-id": routed.request_id},
         )
         try:
@@ -565,12 +812,22 @@ class Router:
         resp: httpx.Response,
         arrival: float,
         deadline: float,
+        *,
+        headers: dict[str, str] | None = None,
+        count_usage: bool = True,
     ) -> Response:
-        headers = {k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None}
+        """``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
+        pulled, not a cache hit (the prefill leg's usage was counted instead)."""
+        headers = {
+            **{k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None},
+            **(headers or {}),
+        }
         headers["x-request-id"] = routed.request_id
         headers["x-kvpool-worker"] = state.id
         if routed.stream and resp.status_code == 200:
-            relay = _Relay(self, state, ticket, routed, resp, arrival, deadline)
+            relay = _Relay(
+                self, state, ticket, routed, resp, arrival, deadline, count_usage=count_usage
+            )
             return _RelayResponse(relay, headers)
         metrics = self._metrics()
         try:
@@ -598,7 +855,8 @@ class Router:
         if ok:
             state.breaker.on_success()
             metrics.e2e.observe(time.monotonic() - arrival)
-            self._count_usage(content)
+            if count_usage:
+                self._count_usage(content)
         return Response(content, status_code=resp.status_code, headers=headers)
 
     def _count_usage(self, payload: bytes) -> None:
@@ -632,6 +890,7 @@ class _Relay:
     resp: httpx.Response
     arrival: float
     deadline: float
+    count_usage: bool = True
     outcome: str = "cancelled"
     closed: bool = False
 
@@ -670,7 +929,7 @@ class _Relay:
                         else:
                             metrics.itl.observe(now - last_token)
                         last_token = now
-                    elif kind == "usage":
+                    elif kind == "usage" and self.count_usage:
                         router._observe_usage(payload)
                 yield chunk
             if not events.done:  # the worker closed the stream without [DONE]
@@ -716,6 +975,25 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (its body has been read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _prefill_body(request: dict[str, Any]) -> bytes:
+    """The prefill leg of a client's body, as vLLM's disaggregated proxy sends it: one
+    token, not streamed, ``do_remote_decode`` (its answer says where the blocks are)."""
+    body = {k: v for k, v in request.items() if k not in ("stream_options", "min_tokens")}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return json.dumps(body).encode()
 
 
 def _sse_error(message: str, code: str) -> bytes:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 
 from .discovery import WorkerEndpoint, parse_static_worker
-from .policy import POLICIES, SCORERS, PolicyConfig
+from .policy import POLICIES, SCORERS, PolicyConfig, SplitConfig
 from .pool import PoolConfig
 
 ENV_PREFIX = "KVPOOL_ROUTER_"
@@ -45,6 +45,11 @@ class RouterSettings(BaseModel):
     speculative_ttl_s: float = Field(2.0, gt=0)
     approx_ttl_s: float = Field(120.0, gt=0)
     approx_capacity_blocks: int = Field(50_000, ge=1)
+    # prefill/decode split (the pool's disaggregation): when a request is prefilled on a
+    # prefill worker and decoded on another (see policy.SplitConfig)
+    pd_mode: Literal["Aggregated", "Disaggregated", "Auto"] = "Auto"
+    pd_threshold_tokens: int = Field(512, ge=0)  # Auto: split above this many uncached tokens
+    pd_prefill_timeout_s: float = Field(60.0, gt=0)  # one prefill leg; then another, or whole
     # workers' health and load
     health_interval_s: float = Field(0.5, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
@@ -84,6 +89,9 @@ class RouterSettings(BaseModel):
     def pool_config(self) -> PoolConfig:
         """The worker pool's settings: the fields both share, by name."""
         return PoolConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PoolConfig)})
+
+    def split_config(self) -> SplitConfig:
+        return SplitConfig(mode=self.pd_mode, threshold_tokens=self.pd_threshold_tokens)
 
     def policy_config(self) -> PolicyConfig:
         from dataclasses import replace

@@ -209,6 +209,26 @@ def test_router_is_told_the_vllm_event_ports_and_the_hash_seed() -> None:
     assert ours["KVPOOL_ROUTER_SCORER"] == "prefix=3 in-flight=1"
 
 
+@pytest.mark.parametrize(
+    ("name", "mode", "threshold"),
+    [
+        ("aggregated-kvpool", "Aggregated", "512"),
+        ("disaggregated-kvpool", "Disaggregated", "512"),
+        ("disaggregated-vllm", "Auto", "1024"),
+    ],
+)
+def test_router_is_told_the_pools_disaggregation(name: str, mode: str, threshold: str) -> None:
+    from kvpool.router.settings import ENV_PREFIX, RouterSettings
+
+    config = router_config("p", validate_pool("p", SPECS[name]))
+    assert config["KVPOOL_ROUTER_PD_MODE"] == mode
+    assert config["KVPOOL_ROUTER_PD_THRESHOLD_TOKENS"] == threshold
+    # Every variable names a router setting, and the split's values are ones it takes.
+    fields = RouterSettings.model_fields
+    assert {k.removeprefix(ENV_PREFIX).lower() for k in config} <= set(fields)
+    assert mode in fields["pd_mode"].annotation.__args__
+
+
 def test_kvpool_workers_publish_events_and_drain_before_they_stop() -> None:
     children = rendered("disaggregated-kvpool")
     c = container(by_kind(children, "Deployment", "disaggregated-kvpool-prefill"))
