@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench run demo crd dashboards chart clean
+.PHONY: install test lint format pytest bench bench-routing bench-overhead run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -42,6 +42,16 @@ bench: install
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/sim_fleet.py
 	$(PY) bench/routing.py
+	$(PY) bench/router_overhead.py
+
+# Routing quality on 8 simulated workers: kvpool's policy, the baselines and the SGLang router.
+bench-routing: install
+	$(PY) bench/routing.py
+
+# The latency the router adds, its highest sustained rate (beside the SGLang router), and
+# its decision time with 64 workers and 1M indexed blocks.
+bench-overhead: install
+	$(PY) bench/router_overhead.py
 
 # The local stack: the KV-aware router on http://127.0.0.1:8080 (OpenAI API under /v1) in
 # front of two workers serving the tiny test model, each publishing its KV events; Ctrl-C
