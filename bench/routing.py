@@ -1,280 +1,1061 @@
-"""Routing quality: the router's default policy beside the cache-blind and load-blind
-baselines, on the same simulated workers in the same run.
+"""Routing quality: kvpool's default policy beside the cache-blind baselines, a cache-only
+policy and the SGLang router, on the same simulated workers in the same run.
 
-Four simulated workers (``kvpool worker sim-fleet``, the 8B-on-H100 timing model slowed
-three times so that the workers' time, not this machine's, makes the latencies) serve the
-same workloads through ``kvpool router serve`` with each policy in turn; the workers' prefix
-caches are emptied before each run. Workloads (chat requests, streamed, Poisson arrivals):
+Eight simulated workers (``kvpool worker sim-fleet`` in two processes: the real scheduler,
+block pool and prefix cache, with the 8B-on-H100 timing model slowed ``--time-scale`` (8)
+times, so that the workers' time and not this 2-core machine's makes the latencies) serve
+every workload through each router in turn:
 
-* ``groups``: 24 groups, each a long system prompt of its own, short questions;
-* ``hot``: one system prompt shared by every request, questions mostly short and one in
-  twelve a long document, so requests differ in prefill work far more than in number.
+* ``kvpool`` (the default), ``round-robin``, ``least-loaded``, ``prefix-only``: ``kvpool
+  router serve --policy ...``;
+* ``sglang-router``: ``python -m sglang_router.launch_router --policy cache_aware``
+  (sglang-router 0.3.2, its default settings).
 
-Reported per policy: the token-weighted prefix hit ratio measured at the workers
-(``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``), TTFT p50/p90/p99 at the
-client, completed requests per second, and the imbalance of requests over workers
-(max/mean). Writes ``bench/results/routing.{md,json}``.
+Every router reaches the workers through the same thin proxy (one process; it reads each
+request's head and body, passes the response back as raw bytes): SGLang's router adds its
+own fields to every body it forwards (``no_stop_trim``, ``return_hidden_states``, ...),
+which kvpool workers refuse as unknown where vLLM ignores them, so the proxy drops those
+fields when they hold SGLang's neutral defaults. Every policy pays the same hop. Requests
+are streamed ``/v1/completions`` with a text prompt, for every policy: the SGLang router's
+cache-aware policy keys on the prompt text, and a prompt string is exactly what both
+routers see. Before every run the workers' prefix caches are emptied and the router is
+started afresh; the runs of one workload and rate follow each other.
+
+Prompts are made of words that are one token each in the model's tokenizer, so n words are
+n tokens, and every workload is deterministic. Arrivals are Poisson at the rate asked for;
+``--duration`` (12 s) of them per run.
+
+* ``groups``: 32 groups, each with a system prompt of its own (1,000-3,000 tokens), a short
+  question (20-150 tokens) after it; the group is drawn uniformly for each request.
+* ``multi-turn``: conversations whose every turn is the previous prompt + the answer + a new
+  question (16-256 tokens), opening with 1,000-3,000 tokens (a document, a long context).
+  Arrival i is the next turn of conversation slot i mod C, C = rate x 3 s (each
+  conversation asks about every 3 s); a turn waits for its conversation's previous answer;
+  a conversation of 2-6 turns that has had its last is replaced by a new one. The answer in
+  the transcript is a stand-in text as long as the generated one, so that the workload does
+  not depend on what a worker generated (with the real answer, a little more would hit).
+* ``mooncake``: the Mooncake synthetic trace (``bench/data``, 3,993 requests over 17 min,
+  lengths in tokens, ``hash_ids`` over 512-token blocks), rescaled to fit 8 workers and a
+  few seconds: (1) the requests of one prefix tree in 24 (first hash id divisible by 24):
+  193 requests, keeping every prefix they share, an unlimited cache would hit 66% of their
+  tokens (the whole trace: 65%); (2) every length divided by 8: a hash id becomes 64 tokens
+  of text fixed by the id (equal ids, equal text), the last, partial block its share of
+  the rest, outputs output_length / 8 (at least 1), which keeps a request's prefill and
+  decode time in about the full-size trace's proportion on the timing model (prefill 45% of
+  decode, full size 40%); prompts average 1,770 tokens (the longest 8,350); (3) the
+  trace's arrival times
+  compressed so that the sample's mean rate is the rate asked for (the run's length
+  follows: 193 / rate seconds).
+* ``one-system-prompt``: every request starts with the same 2,000-token system prompt,
+  then a user part of 100-800 tokens, one in ten a long document of 2,000-4,000.
+
+Reported per workload x policy x rate: the token-weighted prefix hit ratio measured at the
+workers (``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``, deltas over the
+run), TTFT p50/p90/p99 at the client (from sending a request to its first text chunk),
+output throughput (generated tokens of completed requests over the run's wall time), and
+load imbalance, max/mean busy time over the workers. The workers export no busy time, so
+it is sampled from their own gauges: a worker is busy while ``vllm:num_requests_running``
++ ``vllm:num_requests_waiting`` > 0, read every 0.25 s. The JSON has more per run: errors,
+requests and prefill tokens per worker, CPU cores per process, kvpool's decisions by
+reason, and the client's TTFT less the workers' own (what the router, the proxy and HTTP
+add). Writes ``bench/results/routing.{md,json,png}`` (TTFT p90 against rate).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
+import math
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from kvpool.stack import free_port, free_port_range, wait_healthy
-
-RESULTS = Path(__file__).parent / "results"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+TRACE = HERE / "data" / "mooncake_synthetic_trace.jsonl"
 KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
-POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only")
-ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+ENV = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
+KVPOOL_POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only")
+POLICIES = (*KVPOOL_POLICIES, "sglang-router")
+BASELINES = POLICIES[1:]
+
+#: request rates (req/s) per workload: from light load to where the cache-blind baselines
+#: saturate (at 24 req/s their TTFT p90 is 1.5-3x what it is at 8). Higher rates would
+#: measure this machine: the Python router then needs most of a core, and the time it adds
+#: to a request grows past 30 ms (the JSON's path_overhead_ms).
+RATES: dict[str, tuple[float, ...]] = {
+    "groups": (8.0, 16.0, 24.0),
+    "multi-turn": (8.0, 16.0, 24.0),
+    "mooncake": (8.0, 16.0, 24.0),
+    "one-system-prompt": (8.0, 16.0, 24.0),
+}
+#: what the issue asks of kvpool's default policy
+GOAL_VS_SGLANG = {"multi-turn": 1.3, "mooncake": 1.3}
+BUSY_INTERVAL_S = 0.25
+
+# SGLang's router re-serialises every body with fields of its own. With these values they
+# change nothing, so the proxy drops them; any other value is passed on (and refused).
+SGLANG_NEUTRAL = {
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "continue_final_message": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+}
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+# -- prompts ---------------------------------------------------------------------------------
+
+
+class Words:
+    """Text whose token count is known: words that are one token each (with their leading
+    space) in the model's tokenizer, so ``n`` words are ``n`` tokens and texts concatenate
+    without merging across words (a byte-level BPE never merges across a space)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        words = []
+        for piece, token in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+            word = " " + piece[1:]
+            if piece.startswith("\u0120") and piece[1:].isalpha() and len(piece) > 2:
+                if tok.encode(word, add_special_tokens=False).ids == [token]:
+                    words.append(word)
+        if len(words) < 32:
+            raise SystemExit(f"{model_dir}: only {len(words)} one-token words in the tokenizer")
+        self.words = words
+        self.tokenizer = tok
+
+    def text(self, key: str, n: int) -> str:
+        """``n`` tokens of text fixed by ``key`` (a shorter text is a prefix of a longer)."""
+        return "".join(random.Random(key).choices(self.words, k=n))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True)
+class Session:
+    """One conversation: turn k is due at ``at[k]`` seconds into the run, and is sent then
+    or when the answer to turn k-1 has ended, whichever is later. A single-turn session is
+    one open-loop request."""
+
+    at: tuple[float, ...]
+    prompts: tuple[str, ...]
+    max_tokens: tuple[int, ...]
+
+
+def _arrivals(key: str, rate: float, n: int) -> list[float]:
+    rng = random.Random(key)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def groups(words: Words, rate: float, duration: float) -> list[Session]:
+    n = max(1, round(rate * duration))
+    rng = random.Random("groups")
+    systems = [
+        words.text(f"group{g}", random.Random(f"group-length{g}").randint(1000, 3000))
+        for g in range(GROUPS)
+    ]
+    out = []
+    for i, at in enumerate(_arrivals("groups-arrivals", rate, n)):
+        system = systems[rng.randrange(len(systems))]
+        question = words.text(f"groups-question{i}", rng.randint(20, 150))
+        out.append(Session((at,), (system + question,), (rng.randint(8, 48),)))
+    return out
+
+
+def one_system_prompt(words: Words, rate: float, duration: float) -> list[Session]:
+    n = max(1, round(rate * duration))
+    rng = random.Random("one-system-prompt")
+    system = words.text("system", 2000)
+    out = []
+    for i, at in enumerate(_arrivals("one-system-prompt-arrivals", rate, n)):
+        length = rng.randint(2000, 4000) if rng.random() < 1 / 10 else rng.randint(100, 800)
+        question = words.text(f"osp-question{i}", length)
+        out.append(Session((at,), (system + question,), (rng.randint(8, 48),)))
+    return out
+
+
+GROUPS = 32
+TURN_PERIOD_S = 3.0  # a conversation asks its next question about this often
+
+
+def multi_turn(words: Words, rate: float, duration: float) -> list[Session]:
+    """Open-loop arrivals at ``rate``; arrival i is the next turn of conversation slot
+    i mod C, with C = rate x TURN_PERIOD_S slots, so each conversation asks about every
+    3 s. A conversation of 2-6 turns that has had its last is replaced by a new one."""
+    n = max(1, round(rate * duration))
+    slots = max(1, round(rate * TURN_PERIOD_S))
+    arrivals = _arrivals("multi-turn-arrivals", rate, n)
+    rng = random.Random("multi-turn")
+    out: list[Session] = []
+    for slot in range(slots):
+        times = arrivals[slot::slots]
+        while times:
+            s = len(out)
+            turns = min(rng.randint(2, 6), len(times))
+            prompts, max_tokens = [], []
+            prompt = words.text(f"mt{s}-opening", rng.randint(1000, 3000))
+            for k in range(turns):
+                if k:
+                    answer = words.text(f"mt{s}-answer{k - 1}", max_tokens[-1])
+                    prompt += answer + words.text(f"mt{s}-question{k}", rng.randint(16, 256))
+                prompts.append(prompt)
+                max_tokens.append(rng.randint(8, 48))
+            out.append(Session(tuple(times[:turns]), tuple(prompts), tuple(max_tokens)))
+            times = times[turns:]
+    return sorted(out, key=lambda x: x.at[0])
+
+
+MOONCAKE_BLOCK = 512  # tokens per hash id in the trace
+MOONCAKE_SCALE = 8  # every length divided by this
+MOONCAKE_SAMPLE = 24  # keep the prefix trees whose first id is divisible by this
+
+
+def mooncake_rows(path: Path = TRACE) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["hash_ids"] and r["hash_ids"][0] % MOONCAKE_SAMPLE == 0]
+
+
+def mooncake(words: Words, rate: float, duration: float) -> list[Session]:
+    """The rescaled trace sample (its length is fixed: ``duration`` is not used)."""
+    rows = mooncake_rows()
+    t0 = rows[0]["timestamp"]
+    span_s = (rows[-1]["timestamp"] - t0) / 1000
+    stretch = (len(rows) / span_s) / rate  # seconds of run per second of trace
+    tokens = MOONCAKE_BLOCK // MOONCAKE_SCALE
+    out = []
+    for r in rows:
+        ids = r["hash_ids"]
+        head = "".join(words.text(f"mooncake{h}", tokens) for h in ids[:-1])
+        rest = -(-(r["input_length"] - MOONCAKE_BLOCK * (len(ids) - 1)) // MOONCAKE_SCALE)
+        prompt = head + words.text(f"mooncake{ids[-1]}", max(1, rest))
+        at = (r["timestamp"] - t0) / 1000 * stretch
+        out.append(Session((at,), (prompt,), (max(1, round(r["output_length"] / MOONCAKE_SCALE)),)))
+    return out
+
+
+WORKLOADS: dict[str, Callable[[Words, float, float], list[Session]]] = {
+    "groups": groups,
+    "multi-turn": multi_turn,
+    "mooncake": mooncake,
+    "one-system-prompt": one_system_prompt,
+}
+
+
+def ideal_hit_ratio(words: Words, sessions: list[Session], block: int = 16) -> float:
+    """The hit ratio of one unlimited prefix cache that saw every request in order (the
+    most any routing can reach; the workers, like vLLM, never count a prompt's last
+    token as a hit)."""
+    requests = sorted((t, p) for s in sessions for t, p in zip(s.at, s.prompts, strict=True))
+    seen: set[int] = set()
+    hits = total = 0
+    for _, prompt in requests:
+        ids = words.tokenizer.encode(prompt, add_special_tokens=False).ids
+        keys, h = [], 0
+        for i in range(len(ids) // block):
+            h = hash((h, *ids[i * block : (i + 1) * block]))
+            keys.append(h)
+        matched = 0
+        for key in keys:
+            if key not in seen:
+                break
+            matched += 1
+        hits += min(matched * block, len(ids) - 1)
+        total += len(ids)
+        seen.update(keys)
+    return hits / total if total else 0.0
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free to listen on, below Linux's ephemeral
+    range (32768-60999), which the clients' thousands of short connections keep crowded."""
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32768 - count)
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    break
+        else:
+            return base
+    raise SystemExit(f"found no {count} consecutive free ports")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
 
 
-# -- workloads ---------------------------------------------------------------------------------
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    with contextlib.suppress(ValueError):
+        return r.json()
+    return None
 
 
-def _words(prefix: str, n: int, rng: random.Random) -> str:
-    return " ".join(f"{prefix}{rng.randint(0, 999)}" for _ in range(n))
+def wait_until(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
+               timeout: float = 120) -> None:  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while not check():
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} not ready in {timeout:.0f} s:\n{tail(log)}")
+        time.sleep(0.1)
 
 
-def groups_workload(n: int, seed: int = 1) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    systems = [
-        f"You answer for team {g}. " + _words(f"g{g}rule", 260, random.Random(g)) for g in range(24)
-    ]
-    out = []
-    for i in range(n):
-        system = systems[rng.randrange(len(systems))]
-        question = f"Question {i}: " + _words("q", rng.randint(3, 12), rng)
-        out.append({"system": system, "question": question, "max_tokens": rng.randint(16, 48)})
-    return out
+def tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
-def hot_workload(n: int, seed: int = 2) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    system = "Shared rules. " + _words("rule", 300, random.Random(0))
-    out = []
-    for i in range(n):
-        words = rng.randint(300, 450) if rng.random() < 0.08 else rng.randint(4, 40)
-        question = f"Question {i}: " + _words("w", words, rng)
-        out.append({"system": system, "question": question, "max_tokens": rng.randint(16, 64)})
-    return out
+@dataclass
+class Fleet:
+    workers: list[str]  # the workers' own URLs (metrics, cache resets)
+    proxied: list[str]  # the same workers behind the proxy (what the routers get)
+    procs: list[subprocess.Popen[bytes]]
 
 
-WORKLOADS = {"groups": groups_workload, "hot": hot_workload}
+def start_fleet(args: argparse.Namespace, model: Path, tmp: Path) -> Fleet:
+    n = args.workers
+    base = free_ports(3 * n)  # one range, so that no two of the three can overlap
+    events, proxy = base + n, base + 2 * n
+    argv = [*KVPOOL, "worker", "sim-fleet", "--model", str(model), "--count", str(n)]
+    argv += ["--base-port", str(base), "--kv-events-base-port", str(events)]
+    argv += ["--processes", str(args.fleet_processes), "--max-model-len", "65536"]
+    argv += ["--sim-time-scale", str(args.time_scale), "--max-waiting-tokens", "10000000"]
+    log = tmp / "fleet.log"
+    fleet = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    proxy_argv = [sys.executable, __file__, "--proxy", f"{proxy}:{base}:{n}"]
+    plog = tmp / "proxy.log"
+    proxy_proc = subprocess.Popen(proxy_argv, env=ENV, stderr=plog.open("wb"))
+    workers = [f"http://127.0.0.1:{base + i}" for i in range(n)]
+    proxied = [f"http://127.0.0.1:{proxy + i}" for i in range(n)]
+    for w, p in zip(workers, proxied, strict=True):
+        wait_until(lambda w=w: get_json(w + "/health") is not None, fleet, "the fleet", log)
+        wait_until(lambda p=p: get_json(p + "/health") is not None, proxy_proc, "the proxy", plog)
+    return Fleet(workers, proxied, [proxy_proc, fleet])
 
 
-# -- one run -------------------------------------------------------------------------------
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) of these processes and all their descendants (Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, seconds)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    total, todo = 0.0, list(pids)
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == pid]
+    return total
 
 
-def counters(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
+def reset_caches(workers: list[str]) -> None:
+    import httpx
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    for w in workers:
+        deadline = time.monotonic() + 60
+        while True:
+            r = httpx.post(w + "/reset_prefix_cache", timeout=10)
+            if r.status_code == 200:
+                break
+            if r.status_code != 409 or time.monotonic() > deadline:  # 409: still busy
+                raise SystemExit(f"{w}: cannot reset the prefix cache: {r.status_code} {r.text}")
+            time.sleep(0.2)
+
+
+def start_router(
+    policy: str, model: Path, fleet: Fleet, tmp: Path, extra: list[str]
+) -> tuple[Any, str]:
+    """The router for ``policy``, its workers all up; ``extra``: more ``kvpool router serve``
+    flags (trials of policy settings)."""
+    port = free_ports(2)  # the router's, and the SGLang router's metrics port
+    url = f"http://127.0.0.1:{port}"
+    log = tmp / f"router-{policy}.log"
+    n = len(fleet.proxied)
+    if policy == "sglang-router":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--policy", "cache_aware"]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        argv += ["--prometheus-port", str(port + 1), "--worker-urls", *fleet.proxied]
+
+        def ready() -> bool:
+            listing = get_json(url + "/workers")
+            if not isinstance(listing, dict):
+                return False
+            up = [w for w in listing.get("workers", []) if w.get("is_healthy")]
+            return len(up) == n
+    else:
+        argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
+        argv += ["--policy", policy, *extra]
+        for w in fleet.proxied:
+            argv += ["--worker", w]
+
+        def ready() -> bool:
+            health = get_json(url + "/health")
+            return isinstance(health, dict) and health.get("workers_up", 0) == n
+
+    proc = subprocess.Popen(argv, env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    wait_until(ready, proc, f"the {policy} router", log, timeout=60)
+    return proc, url
+
+
+# -- the proxy (its own process: ``routing.py --proxy LISTEN:TARGET:COUNT``) ------------------
+
+
+def _strip(body: bytes) -> bytes:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(obj, dict):
+        return body
+    drop = [k for k, v in SGLANG_NEUTRAL.items() if k in obj and obj[k] == v]
+    if not drop:
+        return body
+    for k in drop:
+        del obj[k]
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _proxy_connection(
+    target: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Requests are read one by one (head, then a Content-Length body) and passed on,
+    their bodies rewritten; responses flow back as raw bytes."""
+    try:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+    except OSError:
+        writer.close()
+        return
+    back = asyncio.create_task(_pipe(up_reader, writer))
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head[:-4].split(b"\r\n")
+            length = 0
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"content-length":
+                    length = int(value)
+                elif name == b"transfer-encoding":
+                    raise ValueError("the proxy takes no chunked request bodies")
+            body = await reader.readexactly(length) if length else b""
+            if body and lines[0].startswith(b"POST /v1/"):
+                new = _strip(body)
+                if new is not body:
+                    keep = [x for x in lines if not x.lower().startswith(b"content-length:")]
+                    head = b"\r\n".join([*keep, b"content-length: %d" % len(new)]) + b"\r\n\r\n"
+                    body = new
+            up_writer.write(head + body)
+            await up_writer.drain()
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            if up_writer.can_write_eof():
+                up_writer.write_eof()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(back, timeout=600)
+        up_writer.close()
+        writer.close()
+
+
+async def _proxy_main(listen: int, target: int, count: int) -> None:
+    servers = []
+    for i in range(count):
+
+        async def handle(r: Any, w: Any, t: int = target + i) -> None:
+            await _proxy_connection(t, r, w)
+
+        servers.append(await asyncio.start_server(handle, "127.0.0.1", listen + i, limit=2**24))
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stopped.set)
+    loop.add_signal_handler(signal.SIGINT, stopped.set)
+    await stopped.wait()
+    for s in servers:
+        s.close()
+
+
+def proxy_main(spec: str) -> int:
+    listen, target, count = (int(x) for x in spec.split(":"))
+    try:
+        import uvloop
+
+        uvloop.run(_proxy_main(listen, target, count))
+    except ImportError:
+        asyncio.run(_proxy_main(listen, target, count))
+    return 0
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? ([-+0-9.eEinfNa]+)", re.M)
+COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:request_success_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+)
+
+
+def parse_metrics(text: bytes) -> dict[str, float]:
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
+    for name, value in _SAMPLE.findall(text):
+        key = name.decode()
+        out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
-async def drive(
-    url: str, model: str, requests: list[dict[str, Any]], rate: float, workers: list[str]
-) -> dict:
-    rng = random.Random(7)
-    ttfts: list[float] = []
-    per_worker: Counter[str] = Counter()
-    errors = 0
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+async def scrape(http: Any, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as r:
+        return parse_metrics(await r.read())
 
-        async def one(r: dict[str, Any]) -> None:
-            nonlocal errors
+
+async def drive(url: str, model: str, sessions: list[Session], workers: list[str]) -> dict:
+    """Replay the sessions against ``url``; sample the workers' busy gauges meanwhile."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    records: list[tuple[float | None, int, float]] = []  # (ttft, output tokens, end)
+    errors: list[str] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as http,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as metrics_http,
+    ):
+        before = await asyncio.gather(*(scrape(metrics_http, w) for w in workers))
+        done = asyncio.Event()
+        busy = [0.0] * len(workers)
+
+        async def sample() -> None:
+            last = loop.time()
+            while not done.is_set():
+                gauges = await asyncio.gather(*(scrape(metrics_http, w) for w in workers))
+                now = loop.time()
+                for i, g in enumerate(gauges):
+                    load = g.get("vllm:num_requests_running", 0) + g.get(
+                        "vllm:num_requests_waiting", 0
+                    )
+                    if load > 0:
+                        busy[i] += now - last
+                last = now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), BUSY_INTERVAL_S)
+
+        async def one(prompt: str, max_tokens: int) -> bool:
             body = {
                 "model": model,
-                "messages": [
-                    {"role": "system", "content": r["system"]},
-                    {"role": "user", "content": r["question"]},
-                ],
-                "max_tokens": r["max_tokens"],
+                "prompt": prompt,
+                "max_tokens": max_tokens,
                 "stream": True,
+                "ignore_eos": True,
             }
-            start = time.perf_counter()
+            sent = loop.time()
             first = None
-            async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    errors += 1
-                    await resp.aread()
-                    return
-                per_worker[resp.headers.get("x-kvpool-worker", "?")] += 1
-                async for line in resp.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"content": "' in line:
-                        if '"content": ""' not in line:
-                            first = time.perf_counter() - start
-            if first is not None:
-                ttfts.append(first)
+            finished = False
+            try:
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    if resp.status != 200:
+                        errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                        return False
+                    async for line in resp.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            errors.append(f"stream error: {chunk['error']}")
+                            return False
+                        for choice in chunk.get("choices") or ():
+                            if first is None and choice.get("text"):
+                                first = loop.time() - sent
+                            if choice.get("finish_reason"):
+                                finished = True
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                return False
+            if not finished or first is None:
+                errors.append("the stream ended without a finish reason")
+                return False
+            records.append((first, max_tokens, loop.time()))
+            return True
 
-        started = time.perf_counter()
-        tasks = []
-        for r in requests:
-            tasks.append(asyncio.create_task(one(r)))
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
-    ttfts.sort()
+        async def session(s: Session, t0: float) -> None:
+            for at, prompt, max_tokens in zip(s.at, s.prompts, s.max_tokens, strict=True):
+                await asyncio.sleep(max(0.0, t0 + at - loop.time()))
+                if not await one(prompt, max_tokens):
+                    return  # a failed turn ends the conversation
+
+        t0 = loop.time()
+        sampler = asyncio.create_task(sample())
+        await asyncio.gather(*(session(s, t0) for s in sessions))
+        elapsed = loop.time() - t0
+        done.set()
+        await sampler
+        after = await asyncio.gather(*(scrape(metrics_http, w) for w in workers))
+
+    def delta(name: str, i: int) -> float:
+        return after[i].get(name, 0.0) - before[i].get(name, 0.0)
+
+    n = len(workers)
+    hits = sum(delta("vllm:prefix_cache_hits_total", i) for i in range(n))
+    queries = sum(delta("vllm:prefix_cache_queries_total", i) for i in range(n))
+    requests = [delta("vllm:request_success_total", i) for i in range(n)]
+    computed = [
+        delta("vllm:prompt_tokens_total", i) - delta("vllm:prefix_cache_hits_total", i)
+        for i in range(n)
+    ]
+    worker_ttft = sum(delta("vllm:time_to_first_token_seconds_sum", i) for i in range(n))
+    worker_count = sum(delta("vllm:time_to_first_token_seconds_count", i) for i in range(n))
+    ttfts = sorted(r[0] for r in records if r[0] is not None)
 
     def q(p: float) -> float:
-        return ttfts[min(int(p * len(ttfts)), len(ttfts) - 1)] if ttfts else float("nan")
+        return ttfts[max(0, math.ceil(p * len(ttfts)) - 1)] if ttfts else float("nan")
 
-    # Every worker counts, those that got nothing too.
-    counts = [per_worker.get(w.removeprefix("http://"), 0) for w in workers]
+    def max_over_mean(xs: list[float]) -> float:
+        mean = sum(xs) / len(xs) if xs else 0.0
+        return max(xs) / mean if mean > 0 else float("nan")
+
+    total = sum(len(s.prompts) for s in sessions)
     return {
-        "ttft_p50": q(0.5),
-        "ttft_p90": q(0.9),
+        "hit_ratio": hits / queries if queries else 0.0,
+        "ttft_p50": q(0.50),
+        "ttft_p90": q(0.90),
         "ttft_p99": q(0.99),
-        "throughput": len(ttfts) / elapsed,
-        "imbalance": max(counts) / (sum(counts) / len(counts)) if counts else float("nan"),
-        "errors": errors,
+        "throughput": sum(r[1] for r in records) / elapsed,
+        "imbalance": max_over_mean(busy),
+        # -- more, for the curious
+        "requests": total,
+        "completed": len(records),
+        "errors": total - len(records),  # failed, and turns never sent after a failure
+        "first_errors": errors[:3],
+        "seconds": elapsed,
+        "requests_per_s": len(records) / elapsed,
+        "busy_s": busy,
+        "requests_per_worker": requests,
+        "computed_prompt_tokens_per_worker": computed,
+        "imbalance_requests": max_over_mean(requests),
+        "imbalance_computed_tokens": max_over_mean(computed),
+        # client TTFT - worker TTFT (arrival at the worker to its first output): the
+        # router, the proxy, HTTP and the client, as a share of what the client saw
+        "path_overhead_ms": (
+            (sum(ttfts) / len(ttfts) - worker_ttft / worker_count) * 1000
+            if ttfts and worker_count
+            else float("nan")
+        ),
     }
 
 
-def run_policy(
-    policy: str,
-    model: Path,
-    workers: list[str],
-    workload: str,
-    n: int,
-    rate: float,
-    extra: list[str] = (),  # type: ignore[assignment]
-) -> dict[str, Any]:
-    for w in workers:  # the same cold start for every policy
-        httpx.post(w + "/reset_prefix_cache", timeout=10).raise_for_status()
-    port = free_port()
-    argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
-    argv += ["--policy", policy, *extra]
-    for w in workers:
-        argv += ["--worker", w]
-    router = subprocess.Popen(argv, env=ENV, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+_DECISION = re.compile(r"^kvpool_router_routing_decisions_total\{([^}]*)\} ([0-9.e+]+)", re.M)
+
+
+def router_decisions(url: str) -> dict[str, float]:
+    """kvpool's routing decisions by reason (prefix, spill, load, ...), over the run."""
+    import httpx
+
+    out: dict[str, float] = {}
+    with contextlib.suppress(httpx.HTTPError):
+        for labels, value in _DECISION.findall(httpx.get(url + "/metrics", timeout=10).text):
+            reason = re.search(r'reason="([^"]*)"', labels)
+            key = reason.group(1) if reason else "?"
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def run_one(
+    policy: str, sessions: list[Session], model: Path, fleet: Fleet, tmp: Path, extra: list[str]
+) -> dict:
+    reset_caches(fleet.workers)
+    router, url = start_router(policy, model, fleet, tmp, extra)
     try:
-        wait_healthy(url, router)
-        while httpx.get(url + "/health", timeout=5).json().get("workers_up", 0) < len(workers):
-            time.sleep(0.2)
-        before = [counters(w) for w in workers]
-        requests = WORKLOADS[workload](n)
-        result = asyncio.run(drive(url, model.name, requests, rate, workers))
-        after = [counters(w) for w in workers]
+        run = asyncio.run
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            run = uvloop.run
+        pids = {
+            "router": [router.pid],
+            "fleet": [fleet.procs[1].pid],
+            "proxy": [fleet.procs[0].pid],
+        }
+        cpu = {k: cpu_seconds(v) for k, v in pids.items()}
+        cpu["client"] = time.process_time()
+        result = run(drive(url, model.name, sessions, fleet.workers))
+        cpu["client"] = time.process_time() - cpu["client"]
+        if policy in KVPOOL_POLICIES:
+            result["decisions"] = router_decisions(url)
+        for k, v in pids.items():
+            cpu[k] = cpu_seconds(v) - cpu[k]
+        # CPU cores each part used while the run lasted (this machine has os.cpu_count())
+        result["cpu_cores"] = {k: v / result["seconds"] for k, v in cpu.items()}
+        return result
     finally:
         stop(router)
-    hits = sum(
-        a.get("vllm:prefix_cache_hits_total", 0) - b.get("vllm:prefix_cache_hits_total", 0)
-        for a, b in zip(after, before, strict=True)
-    )
-    queries = sum(
-        a.get("vllm:prefix_cache_queries_total", 0) - b.get("vllm:prefix_cache_queries_total", 0)
-        for a, b in zip(after, before, strict=True)
-    )
-    result["hit_ratio"] = hits / queries if queries else 0.0
-    return result
 
 
-# -- report --------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------
 
 
-def table(workload: str, rows: dict[str, dict[str, Any]]) -> str:
-    ours = rows["kvpool"]
+def _ms(x: float) -> str:
+    return f"{x * 1000:,.0f}" if math.isfinite(x) else "-"
+
+
+def table(workload: str, rows: dict[str, dict[str, dict[str, Any]]], note: str) -> str:
+    rates = list(next(iter(rows.values())))
     lines = [
         f"### {workload}",
         "",
-        "| policy | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | req/s | imbalance "
-        "| p90 vs kvpool |",
-        "|---|---|---|---|---|---|---|---|",
+        note,
+        "",
+        "| rate req/s | policy | hit ratio | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
+        "| output tok/s | imbalance | p90 / kvpool's |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for policy, r in rows.items():
-        lines.append(
-            f"| {policy} | {r['hit_ratio']:.1%} | {r['ttft_p50'] * 1000:.0f} | "
-            f"{r['ttft_p90'] * 1000:.0f} | {r['ttft_p99'] * 1000:.0f} | {r['throughput']:.1f} "
-            f"| {r['imbalance']:.2f} | {r['ttft_p90'] / ours['ttft_p90']:.2f}x |"
-        )
+    for rate in rates:
+        ours = rows.get("kvpool", {}).get(rate)
+        for policy, by_rate in rows.items():
+            r = by_rate[rate]
+            ratio = r["ttft_p90"] / ours["ttft_p90"] if ours else float("nan")
+            errors = f" ({r['errors']} errors)" if r.get("errors") else ""
+            lines.append(
+                f"| {rate} | {policy}{errors} | {r['hit_ratio']:.1%} | {_ms(r['ttft_p50'])} "
+                f"| {_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} | {r['throughput']:,.0f} "
+                f"| {r['imbalance']:.2f} | {ratio:.2f}x |"
+            )
     return "\n".join(lines)
 
 
+def goals(workload: str, rows: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each goal of the issue for one workload: held or not, and where it was missed."""
+    if "kvpool" not in rows:
+        return []
+    ours = rows["kvpool"]
+    out = []
+    for metric, better in (("ttft_p90", "lower"), ("hit_ratio", "higher")):
+        misses = []
+        for policy, by_rate in rows.items():
+            if policy == "kvpool":
+                continue
+            for rate, r in by_rate.items():
+                a, b = ours[rate][metric], r[metric]
+                worse = a > b if better == "lower" else a < b
+                if worse:
+                    misses.append({"policy": policy, "rate": rate, "kvpool": a, "other": b})
+        out.append(
+            {
+                "goal": f"{'TTFT p90' if metric == 'ttft_p90' else 'hit ratio'} at least as "
+                "good as every other policy's",
+                "held": not misses,
+                "misses": misses,
+            }
+        )
+    if workload in GOAL_VS_SGLANG and "sglang-router" in rows:
+        want = GOAL_VS_SGLANG[workload]
+        ratios = {
+            rate: rows["sglang-router"][rate]["ttft_p90"] / ours[rate]["ttft_p90"] for rate in ours
+        }
+        out.append(
+            {
+                "goal": f"TTFT p90 >= {want}x lower than the SGLang router's",
+                "held": all(x >= want for x in ratios.values()),
+                "ratios": ratios,
+            }
+        )
+    return out
+
+
+def describe_goal(g: dict[str, Any]) -> str:
+    status = "**held**" if g["held"] else "**missed**"
+    if "ratios" in g:
+        detail = ", ".join(f"{rate} req/s: {x:.2f}x" for rate, x in g["ratios"].items())
+    elif g["misses"]:
+        parts = []
+        for m in g["misses"]:
+            ours, theirs = m["kvpool"], m["other"]
+            if "hit" in g["goal"]:
+                gap = f"{ours:.1%} vs {theirs:.1%}, {(ours - theirs) * 100:+.1f} points"
+            else:
+                gap = f"{ours * 1000:,.0f} vs {theirs * 1000:,.0f} ms, {ours / theirs - 1:+.0%}"
+            parts.append(f"{m['policy']} at {m['rate']} req/s ({gap})")
+        detail = "kvpool worse than " + "; ".join(parts)
+    else:
+        detail = "at every rate"
+    return f"- {g['goal']}: {status} ({detail})"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    names = list(results)
+    cols = 2 if len(names) > 1 else 1
+    rows_n = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
+    for ax, workload in zip(axes.flat, names, strict=False):
+        for policy, by_rate in results[workload].items():
+            rates = [float(r) for r in by_rate]
+            p90 = [by_rate[r]["ttft_p90"] * 1000 for r in by_rate]
+            style = {"linewidth": 2.5} if policy == "kvpool" else {"linestyle": "--"}
+            ax.plot(rates, p90, marker="o", label=policy, **style)
+        ax.set_title(workload)
+        ax.set_xlabel("request rate, req/s")
+        values = [r["ttft_p90"] for by_rate in results[workload].values() for r in by_rate.values()]
+        if max(values) > 8 * min(values):  # a log scale, with ticks labelled at 1, 2 and 5
+            ax.set_yscale("log")
+            ax.set_ylabel("TTFT p90, ms (log scale)")
+            label = ticker.FuncFormatter(lambda y, _: f"{y:,.0f}" if f"{y:.0e}"[0] in "125" else "")
+            ax.yaxis.set_major_formatter(label)
+            ax.yaxis.set_minor_formatter(label)
+        else:
+            ax.set_ylabel("TTFT p90, ms")
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:,.0f}"))
+        ax.set_xticks(sorted({float(r) for by_rate in results[workload].values() for r in by_rate}))
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.set_visible(False)
+    axes.flat[0].legend()
+    fig.suptitle("TTFT p90 against request rate, 8 simulated workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--proxy":
+        return proxy_main(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".cache/tiny-model")
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--rate", type=float, default=20.0)
-    parser.add_argument("--time-scale", type=float, default=3.0)
-    parser.add_argument("--workloads", default="groups,hot")
+    parser.add_argument("--model", default=".cache/tiny-model", help="its tokenizer is used")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--fleet-processes", type=int, default=2)
+    parser.add_argument("--time-scale", type=float, default=8.0, help="slow the timing model")
+    parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--router-args", default="", help="more router flags, for trials")
+    parser.add_argument("--rates", default=None, help="the same rates for every workload")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--router-args", default="", help="more `kvpool router serve` flags, for trials"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so that the fleet, the proxy and a router are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    started = time.monotonic()
+    workloads = args.workloads.split(",")
+    policies = args.policies.split(",")
+    for name in workloads:
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    for name in policies:
+        if name not in POLICIES:
+            parser.error(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    rates = {w: RATES[w] for w in workloads}
+    if args.rates:
+        rates = {w: tuple(float(x) for x in args.rates.split(",")) for w in workloads}
+    if args.quick:
+        rates = {w: (r[len(r) // 2],) for w, r in rates.items()}
+        args.duration = min(args.duration, 4.0)
+    out = args.out or (
+        Path(tempfile.gettempdir()) / "kvpool-bench-routing-quick" if args.quick else RESULTS
+    )
     model = Path(args.model)
     if not (model / "config.json").is_file():
         subprocess.run([*KVPOOL, "worker", "make-tiny-model", str(model)], env=ENV, check=True)
-    base, events = free_port_range(args.workers), free_port_range(args.workers)
-    fleet_argv = [*KVPOOL, "worker", "sim-fleet", "--model", str(model)]
-    fleet_argv += ["--count", str(args.workers), "--base-port", str(base), "--processes", "2"]
-    fleet_argv += ["--kv-events-base-port", str(events)]
-    fleet_argv += ["--max-model-len", "8192", "--num-blocks", "8192"]
-    fleet_argv += ["--sim-time-scale", str(args.time_scale), "--max-waiting-tokens", "400000"]
-    fleet = subprocess.Popen(fleet_argv, env=ENV, stdout=subprocess.DEVNULL)
-    workers = [f"http://127.0.0.1:{base + i}" for i in range(args.workers)]
+    words = Words(model)
+    load_before = os.getloadavg()
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    try:
-        for w in workers:
-            wait_healthy(w, fleet)
-        for workload in args.workloads.split(","):
-            results[workload] = {}
-            for policy in args.policies.split(","):
-                r = run_policy(
-                    policy,
-                    model,
-                    workers,
-                    workload,
-                    args.requests,
-                    args.rate,
-                    args.router_args.split(),
-                )
-                results[workload][policy] = r
-                print(f"{workload} {policy}: {json.dumps(r)}", file=sys.stderr, flush=True)
-    finally:
-        stop(fleet)
+    notes: dict[str, str] = {}
+    ideal: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-routing-") as tmp_name:
+        tmp = Path(tmp_name)
+        fleet = start_fleet(args, model, tmp)
+        try:
+            for workload in workloads:
+                results[workload] = {p: {} for p in policies}
+                for rate in rates[workload]:
+                    key = f"{rate:g}"
+                    sessions = WORKLOADS[workload](words, rate, args.duration)
+                    if rate == max(rates[workload]):
+                        ideal[workload] = ideal_hit_ratio(words, sessions)
+                    for policy in policies:
+                        extra = args.router_args.split() if policy in KVPOOL_POLICIES else []
+                        r = run_one(policy, sessions, model, fleet, tmp, extra)
+                        results[workload][policy][key] = r
+                        print(
+                            f"[{time.monotonic() - started:6.0f} s] {workload} {key} req/s "
+                            f"{policy:>13}: hit {r['hit_ratio']:.1%} p50/p90/p99 "
+                            f"{_ms(r['ttft_p50'])}/{_ms(r['ttft_p90'])}/{_ms(r['ttft_p99'])} ms, "
+                            f"{r['throughput']:,.0f} tok/s, imbalance {r['imbalance']:.2f}, "
+                            f"{r['completed']}/{r['requests']} done in {r['seconds']:.1f} s, "
+                            f"path {r['path_overhead_ms']:.1f} ms, "
+                            f"decisions {r.get('decisions', '-')}, cores "
+                            + " ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items()),
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        finally:
+            for proc in fleet.procs:
+                stop(proc)
+    wall = time.monotonic() - started
+    load_after = os.getloadavg()
+    for workload in workloads:
+        sample = WORKLOADS[workload](words, max(rates[workload]), args.duration)
+        n = sum(len(s.prompts) for s in sample)
+        tokens = sum(words.count(p) for s in sample for p in s.prompts) / n
+        notes[workload] = (
+            f"{n} requests at {max(rates[workload]):g} req/s, {tokens:,.0f} prompt tokens on "
+            f"average; one unlimited cache that saw every request would hit "
+            f"{ideal[workload]:.0%} of the prompt tokens."
+        )
+        decisions = results[workload].get("kvpool", {}).get(f"{max(rates[workload]):g}", {})
+        if decisions.get("decisions"):
+            counts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions["decisions"].items()))
+            notes[workload] += f" kvpool's decisions at that rate, by reason: {counts}."
+    all_goals = {w: goals(w, results[w]) for w in workloads}
+
+    def median_overhead(sglang: bool) -> float:
+        xs = sorted(
+            r["path_overhead_ms"]
+            for w in results.values()
+            for policy, by_rate in w.items()
+            for r in by_rate.values()
+            if (policy == "sglang-router") == sglang and math.isfinite(r["path_overhead_ms"])
+        )
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    overhead = {"kvpool router": median_overhead(False), "sglang-router": median_overhead(True)}
+    summary = [
+        "| workload | goal | held |",
+        "|---|---|---|",
+        *(
+            f"| {w} | {g['goal']} | {'yes' if g['held'] else '**no**'} |"
+            for w in workloads
+            for g in all_goals[w]
+        ),
+    ]
     header = (
-        f"# Routing quality ({dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores)\n\n"
-        f"{args.workers} simulated workers (time scale {args.time_scale}), {args.requests} "
-        f"chat requests per run at {args.rate:g} req/s, streamed; TTFT at the client.\n"
+        f"# Routing quality ({dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()})\n\n"
+        f"`{' '.join(['bench/routing.py', *sys.argv[1:]])}`: {args.workers} simulated workers "
+        f"(`kvpool worker sim-fleet`, {args.fleet_processes} processes, timing model slowed "
+        f"{args.time_scale:g}x) behind each router in turn, the same workers for all, prefix "
+        f"caches emptied and the router restarted before every run; streamed "
+        f"`/v1/completions`, TTFT at the client; {args.duration:g} s of Poisson arrivals per "
+        f"run (the Mooncake sample: its own arrival times, compressed to the rate). Whole "
+        f"benchmark {wall / 60:.1f} min; load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after (other processes share this machine's cores).\n\n"
+        "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
+        "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
+        "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
+        "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "
+        "TTFT (client TTFT less the workers' own: router, proxy, HTTP, client), median over "
+        f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms, SGLang's "
+        f"{overhead['sglang-router']:.0f} ms.\n\n"
+        "The issue's goals for kvpool's default policy (strictly: any worse figure at any "
+        "rate is a miss; the misses and their sizes are under each table):\n\n"
+        + "\n".join(summary)
+        + "\n"
     )
-    text = header + "\n" + "\n\n".join(table(w, rows) for w, rows in results.items()) + "\n"
+    sections = []
+    for workload in workloads:
+        section = table(workload, results[workload], notes[workload])
+        lines = [describe_goal(g) for g in all_goals[workload]]
+        sections.append(section + ("\n\nGoals:\n\n" + "\n".join(lines) if lines else ""))
+    text = header + "\n" + "\n\n".join(sections) + "\n"
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "routing.md").write_text(text)
-    (RESULTS / "routing.json").write_text(json.dumps(results, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing.md").write_text(text)
+    meta = {
+        "date": str(dt.date.today()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "command": " ".join(["bench/routing.py", *sys.argv[1:]]),
+        "workers": args.workers,
+        "fleet_processes": args.fleet_processes,
+        "time_scale": args.time_scale,
+        "duration_s": args.duration,
+        "wall_s": wall,
+        "load_average": [load_before[0], load_after[0]],
+        "ideal_hit_ratio": ideal,
+        "notes": notes,
+        "goals": all_goals,
+        "path_overhead_ms_median": overhead,
+        "units": "ttft_* in seconds, throughput in output tokens/s, hit_ratio 0..1",
+    }
+    (out / "routing.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
+    plot(results, out / "routing.png")
+    print(f"wrote {out}/routing.{{md,json,png}} in {wall / 60:.1f} min", file=sys.stderr)
     return 0
 
 
