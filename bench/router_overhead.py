@@ -463,13 +463,9 @@ def start(argv: list[str], cpus: set[int] | None, log: Path) -> subprocess.Popen
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from kvpool.stack import stop_process
+
+    stop_process(proc, timeout=10)
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

@@ -309,14 +309,10 @@ def free_ports(count: int) -> int:
     raise SystemExit(f"found no {count} consecutive free ports")
 
 
-def stop(proc: subprocess.Popen[bytes], timeout: float = 15) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    from kvpool.stack import stop_process
+
+    stop_process(proc, timeout=15)
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:

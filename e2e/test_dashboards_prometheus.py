@@ -26,8 +26,6 @@ import json
 import math
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +39,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from kvpool.stack import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,24 +78,8 @@ POOL_SPEC: dict[str, Any] = {
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONSAFEPATH": "1", **extra}
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def wait_for(check: Any, what: str, timeout: float) -> Any:
@@ -172,7 +156,7 @@ def _start_stack(tmp: Path) -> tuple[subprocess.Popen[str], str, list[str], str]
     line = proc.stdout.readline()  # "kvpool up: router on URL (...), 2 kvpool worker(s): URLs"
     urls = re.findall(r"http://127\.0\.0\.1:\d+", line)
     if len(urls) < 4:
-        _stop(proc)
+        stop_process(proc)
         raise RuntimeError(f"kvpool up did not start: {line!r}")
     return proc, urls[0], urls[2:], model.name
 
@@ -392,7 +376,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             yield Scenario(prom, time.time())
         finally:
             for proc in reversed(procs):
-                _stop(proc)
+                stop_process(proc)
 
 
 # --- the tests -----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "free_port_range",
     "healthy",
     "run_demo",
+    "stop_process",
     "wait_healthy",
 ]
 
@@ -76,6 +77,17 @@ def _kvpool(*args: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
+    """SIGTERM, ``timeout`` seconds to exit, then SIGKILL; waits until it is gone."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def healthy(url: str) -> bool:
@@ -179,13 +191,7 @@ class Stack:
 
     def stop(self, timeout: float = 30.0) -> None:
         for proc in self.procs:  # the router first: it stops sending before workers go
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=timeout)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout)
         self.procs.clear()
 
     def wait(self) -> None:
