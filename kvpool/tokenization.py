@@ -8,11 +8,22 @@ is imported when a tokenizer is loaded (it needs no torch for tokenizers).
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "TokenizerError", "encode_prompt", "load_tokenizer", "render_chat"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "PrefixTokenCache",
+    "TokenizerError",
+    "encode_prompt",
+    "load_tokenizer",
+    "render_chat",
+]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -36,11 +47,13 @@ def load_tokenizer(model_dir: str | Path) -> Any:  # -> transformers.PreTrainedT
         raise TokenizerError(f"{model_dir}: the tokenizer does not load ({exc})") from None
 
 
-def encode_prompt(tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: str | Sequence[int], cache: PrefixTokenCache | None = None
+) -> list[int]:
     """A completion prompt's token ids: text is encoded with the tokenizer's special tokens
     (as vLLM does), token ids are taken as they are."""
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
+        return cache.encode(prompt) if cache is not None else list(tokenizer.encode(prompt))
     return list(prompt)
 
 
@@ -51,6 +64,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    cache: PrefixTokenCache | None = None,
 ) -> list[int]:
     """A chat's token ids through the model's chat template. Raises :class:`ValueError`
     naming ``messages`` when the template refuses them."""
@@ -70,4 +84,124 @@ def render_chat(
         )
     except Exception as exc:  # a template raises whatever Jinja raises
         raise ValueError(f"messages: the chat template failed: {exc}") from None
+    if cache is not None:
+        return cache.encode(text, add_special_tokens=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+#: texts the cache checks a tokenizer against before it trusts cutting text at a word
+_PROBES = (
+    "Hello world, it's  fine.\n\nYes: 12345 apples cost $3.50 (or 4 euros) don't they?",
+    "You are a helpful assistant.\tAnswer in English; cite sources [1] and [2].\n- a\n- b",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u6771\u4eac and \u0645\u0631\u062d\u0628\u0627"
+    " words\r\nmixed   spacing   here",
+    "<|im_start|>system\nYou are kvpool's tester.<|im_end|>\n<|im_start|>user\nhi there",
+)
+
+
+class PrefixTokenCache:
+    """Token ids of texts that begin like a recently tokenized one, without tokenizing the
+    shared beginning again.
+
+    Prompts repeat their beginnings: a system prompt, a document, the turns of a chat so
+    far. Tokenizing is most of what the router spends on a request, and the shared part's
+    ids are already known. A text is cut at word boundaries (a space after a non-space,
+    before a letter: where the byte-level pre-tokenizers of GPT-2, Llama 3, Qwen and
+    others always start a new piece, so no token spans the cut); the ids before the last
+    such cut inside the longest recently seen beginning (in steps of :attr:`CHUNK`
+    characters) are reused and only the rest is tokenized.
+
+    That holds only for tokenizers that cut text this way. Each tokenizer is checked when
+    the cache is built, on probe texts cut at every such boundary. One that fails (a BPE
+    without a pre-tokenizer, whose pieces cross words, or one that appends an end token)
+    is used plainly, and so is any tokenizer without a ``tokenizers`` backend.
+    """
+
+    CHUNK = 256
+
+    def __init__(self, tokenizer: Any, capacity: int = 8192) -> None:
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.capacity = capacity
+        # (add_special_tokens, digest of text[:chunk end]) -> (cut, ids of a text, tokens
+        # before the cut)
+        self._entries: OrderedDict[tuple[bool, bytes], tuple[int, list[int], int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.enabled = self.backend is not None and self._cuts_cleanly()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not self.enabled or len(text) < 2 * self.CHUNK:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        keys = self._chunk_keys(text)
+        with self._lock:
+            hit = None
+            for i in range(len(keys) - 1, -1, -1):
+                hit = self._entries.get((add_special_tokens, keys[i][1]))
+                if hit is not None:
+                    self._entries.move_to_end((add_special_tokens, keys[i][1]))
+                    break
+        if hit is None:
+            self.misses += 1
+            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+            ids, starts, done = enc.ids, [o[0] for o in enc.offsets], 0
+        else:
+            self.hits += 1
+            cut, cached, count = hit
+            tail = self.backend.encode(text[cut:], add_special_tokens=False)
+            ids = cached[:count] + tail.ids
+            starts = [-1] * count + [o[0] + cut for o in tail.offsets]
+            done = cut + 1
+        entries = []
+        for end, key in keys:
+            if end <= done:
+                continue
+            b = _word_cut(text, end - 2, max(end - self.CHUNK, done))
+            if b is not None:
+                entries.append(((add_special_tokens, key), (b, ids, bisect_left(starts, b))))
+        if entries:
+            with self._lock:
+                for k, v in entries:
+                    self._entries[k] = v
+                    self._entries.move_to_end(k)
+                while len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)
+        return list(ids)
+
+    def _chunk_keys(self, text: str) -> list[tuple[int, bytes]]:
+        h = hashlib.blake2b(digest_size=16)
+        keys = []
+        for end in range(self.CHUNK, len(text) + 1, self.CHUNK):
+            h.update(text[end - self.CHUNK : end].encode("utf-8", "surrogatepass"))
+            keys.append((end, h.copy().digest()))
+        return keys
+
+    def _cuts_cleanly(self) -> bool:
+        """Whether every word boundary of the probe texts cuts their ids in two."""
+        assert self.backend is not None
+        for text in _PROBES:
+            for special in (True, False):
+                whole = list(self.tokenizer.encode(text, add_special_tokens=special))
+                enc = self.backend.encode(text, add_special_tokens=special)
+                if enc.ids != whole:
+                    return False
+                starts = [o[0] for o in enc.offsets]
+                if starts != sorted(starts):
+                    return False
+                for b in range(1, len(text) - 1):
+                    if _word_cut(text, b, b) != b:
+                        continue
+                    tail = self.backend.encode(text[b:], add_special_tokens=False).ids
+                    if whole[: bisect_left(starts, b)] + tail != whole:
+                        return False
+        return True
+
+
+def _word_cut(text: str, last: int, first: int) -> int | None:
+    """The last position in [first, last] where a word starts after a space: ``text[b]``
+    is a space, the character before it is not whitespace and the one after is a letter."""
+    for b in range(min(last, len(text) - 2), max(first, 1) - 1, -1):
+        if text[b] == " " and text[b + 1].isalpha() and not text[b - 1].isspace():
+            return b
+    return None

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,7 +45,7 @@ from kvpool.openai_api import (
     exception_handlers,
     parse_request,
 )
-from kvpool.tokenization import encode_prompt, load_tokenizer, render_chat
+from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat
 
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
@@ -110,7 +111,12 @@ class Router:
         )
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
-        self.client: httpx.AsyncClient | None = None
+        self.token_cache: PrefixTokenCache | None = None
+        self.client: httpx.AsyncClient | None = None  # the pool's checks and scrapes
+        # The requests themselves: aiohttp's client costs a fifth of httpx's CPU per request
+        # (bench/router_overhead.py), which is most of what the router adds.
+        self.upstream: aiohttp.ClientSession | None = None
+        self.model_name = s.model_name
         self.pool: WorkerPool | None = None
         self.metrics: RouterMetrics | None = None
         self.active = 0
@@ -125,9 +131,18 @@ class Router:
     async def start(self) -> None:
         s = self.settings
         self.tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
+        self.token_cache = PrefixTokenCache(self.tokenizer)
+        if not self.token_cache.enabled:
+            log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.upstream = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
+            timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s),
+            auto_decompress=False,  # bodies are passed on as the worker sent them
+            skip_auto_headers=("User-Agent",),
         )
         self.pool = WorkerPool(
             s.pool_config(), self.index, self.client, on_event_lag=self._on_event_lag
@@ -175,6 +190,8 @@ class Router:
             await self.pool.close()
         if self.client is not None:
             await self.client.aclose()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     def _pool(self) -> WorkerPool:
         if self.pool is None:
@@ -360,23 +377,30 @@ class Router:
     ) -> Response:
         """Run ``work`` (a whole answer being awaited) but give up when the client hangs up:
         the worker's connection is closed, which makes it abort the request and free its
-        blocks, instead of computing an answer nobody will read."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(_client_gone(request))
+        blocks, instead of computing an answer nobody will read. One watcher task, which
+        cancels this one: ``work`` itself runs here, not in a task of its own."""
+        this = asyncio.current_task()
+        assert this is not None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            try:
+                await _client_gone(request)
+            except Exception:  # cannot tell whether the client is there: carry on
+                return
+            left = True
+            this.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and gone.exception() is not None:
-                return await task  # cannot tell whether the client is there: carry on
-        except BaseException:
-            task.cancel()
-            raise
+            return await work
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            this.uncancel()
         finally:
-            gone.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+            watcher.cancel()
         self._metrics().requests.labels("cancelled").inc()
         return Response(status_code=499)  # nobody reads it; logs show why it ended
 
@@ -415,7 +439,7 @@ class Router:
                 param="kv_transfer_params",
             )
         if check_model and req.model is not None:
-            served = self._pool().models() | {self.settings.model_name}
+            served = self._pool().models() | {self.model_name}
             if req.model not in served and req.model != self.settings.model:
                 raise OpenAIError(
                     404,
@@ -453,6 +477,7 @@ class Router:
                         add_generation_prompt=req.add_generation_prompt,
                         continue_final_message=req.continue_final_message,
                         chat_template_kwargs=req.chat_template_kwargs,
+                        cache=self.token_cache,
                     )
                 except ValueError as exc:
                     raise OpenAIError(400, str(exc), param="messages") from None
@@ -466,7 +491,7 @@ class Router:
             first = prompts[0]
 
             def tokenize() -> list[int]:
-                return encode_prompt(self.tokenizer, first)
+                return encode_prompt(self.tokenizer, first, self.token_cache)
 
             inline = len(first) <= INLINE_PROMPT_SIZE
 
@@ -721,18 +746,18 @@ class Router:
         resp = await self._send(state, routed, deadline, body=body)
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                content = await resp.aread()
+                content = await resp.read()
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
-        except (httpx.HTTPError, OSError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
         finally:
-            await resp.aclose()
+            resp.release()  # kept if read to its end, closed if not
         text = content.decode(errors="replace")
-        if resp.status_code != 200:
-            raise _Failed("refused", f"{resp.status_code} {_error_message(text)[:300]}")
+        if resp.status != 200:
+            raise _Failed("refused", f"{resp.status} {_error_message(text)[:300]}")
         try:
             answer = json.loads(content)
             params = answer.get("kv_transfer_params")
@@ -747,14 +772,15 @@ class Router:
         """Free blocks pinned for a decode leg that no worker got (a kvpool prefill worker's
         ``DELETE /kv/{id}``; any other's pin times out on its own)."""
         rid = leg.params.get("remote_request_id")
-        if leg.prefill.info is None or not isinstance(rid, str) or self.client is None:
+        if leg.prefill.info is None or not isinstance(rid, str) or self.upstream is None:
             return
         url = f"{leg.prefill.url}/kv/{urllib.parse.quote(rid, safe='')}"
+        upstream = self.upstream
 
         async def delete() -> None:
-            assert self.client is not None
             with contextlib.suppress(Exception):  # best effort: the pin times out anyway
-                await self.client.delete(url, timeout=5.0)
+                async with upstream.delete(url, timeout=aiohttp.ClientTimeout(total=5.0)):
+                    pass
 
         task = asyncio.ensure_future(delete())
         self._background.add(task)
@@ -762,54 +788,52 @@ class Router:
 
     async def _send(
         self, state: WorkerState, routed: Routed, deadline: float, *, body: bytes | None = None
-    ) -> httpx.Response:
+    ) -> aiohttp.ClientResponse:
         """The worker's response with its headers read, or :class:`_Failed` if this worker
         cannot answer it (and another may). ``body``: a split's leg, not the client's."""
-        assert self.client is not None
+        assert self.upstream is not None
         pool = self._pool()
         now = time.monotonic()
-        request = self.client.build_request(
-            "POST",
-            state.url + routed.path,
-            content=routed.body if body is None else body,
-            headers={"content-type": "application/json", "x-request-id": routed.request_id},
-        )
         try:
             async with asyncio.timeout(max(deadline - now, 0.001)):
-                resp = await self.client.send(request, stream=True)
+                resp = await self.upstream.post(
+                    state.url + routed.path,
+                    data=routed.body if body is None else body,
+                    headers={"content-type": "application/json", "x-request-id": routed.request_id},
+                )
+        except aiohttp.ConnectionTimeoutError as exc:  # perhaps only busy: the health check decides
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("connect", f"connection timed out ({exc or 'connect timeout'})") from None
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("timeout", "no answer before the request timeout", 504) from None
-        except httpx.ConnectError as exc:  # refused: nothing listens there any more
+        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
-            pool.mark_down(state, f"connection failed: {exc}")
-            raise _Failed("connect", f"connection failed ({exc})") from None
-        except httpx.ConnectTimeout as exc:  # perhaps only busy: the health check decides
-            state.breaker.on_failure(time.monotonic())
-            raise _Failed("connect", f"connection timed out ({exc})") from None
-        except (httpx.HTTPError, OSError) as exc:
+            pool.mark_down(state, f"connection failed: {exc.os_error}")
+            raise _Failed("connect", f"connection failed ({exc.os_error})") from None
+        except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
-        if resp.status_code < 500 and resp.status_code != 429:
+        if resp.status < 500 and resp.status != 429:
             return resp
         # Retried elsewhere: the worker said nothing the client has seen yet.
         text = ""
-        with contextlib.suppress(httpx.HTTPError, OSError, TimeoutError):
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
             async with asyncio.timeout(1.0):
-                text = (await resp.aread()).decode(errors="replace")[:300]
-        await resp.aclose()
-        if resp.status_code == 429:
+                text = (await resp.read()).decode(errors="replace")[:300]
+        resp.release()
+        if resp.status == 429:
             raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
         # Not charged to the breaker yet: a request that fails on every worker is more
         # likely bad than every worker broken (see _proxy).
-        raise _Failed("5xx", f"{resp.status_code} {_error_message(text)}")
+        raise _Failed("5xx", f"{resp.status} {_error_message(text)}")
 
     async def _respond(
         self,
         state: WorkerState,
         ticket: Ticket,
         routed: Routed,
-        resp: httpx.Response,
+        resp: aiohttp.ClientResponse,
         arrival: float,
         deadline: float,
         *,
@@ -824,7 +848,7 @@ class Router:
         }
         headers["x-request-id"] = routed.request_id
         headers["x-kvpool-worker"] = state.id
-        if routed.stream and resp.status_code == 200:
+        if routed.stream and resp.status == 200:
             relay = _Relay(
                 self, state, ticket, routed, resp, arrival, deadline, count_usage=count_usage
             )
@@ -832,8 +856,9 @@ class Router:
         metrics = self._metrics()
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                content = await resp.aread()
+                content = await resp.read()
         except TimeoutError:
+            resp.close()
             metrics.requests.labels("timeout").inc()
             state.breaker.on_failure(time.monotonic())
             raise OpenAIError(
@@ -842,22 +867,26 @@ class Router:
                 type="server_error",
                 code="timeout",
             ) from None
-        except (httpx.HTTPError, OSError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             # Nothing has reached the client yet: another worker may answer it.
+            resp.close()
             state.breaker.on_failure(time.monotonic())
             message = f"failed while answering: {type(exc).__name__}: {exc}"
             raise _Failed("connection", message) from None
+        except BaseException:  # cancelled: the worker's connection is closed, so it aborts
+            resp.close()
+            raise
         finally:
-            await resp.aclose()
+            resp.release()
             state.end(ticket)
-        ok = resp.status_code < 400
+        ok = resp.status < 400
         metrics.requests.labels("success" if ok else "client_error").inc()
         if ok:
             state.breaker.on_success()
             metrics.e2e.observe(time.monotonic() - arrival)
             if count_usage:
                 self._count_usage(content)
-        return Response(content, status_code=resp.status_code, headers=headers)
+        return Response(content, status_code=resp.status, headers=headers)
 
     def _count_usage(self, payload: bytes) -> None:
         try:
@@ -887,7 +916,7 @@ class _Relay:
     state: WorkerState
     ticket: Ticket
     routed: Routed
-    resp: httpx.Response
+    resp: aiohttp.ClientResponse
     arrival: float
     deadline: float
     count_usage: bool = True
@@ -898,8 +927,10 @@ class _Relay:
         if self.closed:
             return
         self.closed = True
-        with contextlib.suppress(BaseException):
-            await self.resp.aclose()
+        if self.outcome == "success":
+            self.resp.release()  # read to its end: the connection is kept
+        else:  # closed mid-answer: the worker sees it and aborts the request
+            self.resp.close()
         self.state.end(self.ticket)
         self.router.active -= 1
         metrics = self.router._metrics()
@@ -913,7 +944,7 @@ class _Relay:
         events = _SSEWatch()
         last_token: float | None = None
         try:
-            chunks = self.resp.aiter_raw()
+            chunks = self.resp.content.iter_any()
             while True:
                 try:
                     async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.001)):
@@ -946,7 +977,7 @@ class _Relay:
             yield events.cut() + _sse_error(
                 f"the request timeout ({router.settings.request_timeout_s:g} s) passed", "timeout"
             )
-        except (httpx.HTTPError, OSError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             self.outcome = "stream_error"
             state.breaker.on_failure(time.monotonic())
             log.warning(

@@ -1,0 +1,152 @@
+"""The router's prefix token cache: texts that begin like an earlier one must get exactly
+the ids the tokenizer gives them, whatever the tokenizer; tokenizers whose pieces can cross
+a word boundary are not cut at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.tokenization import PrefixTokenCache, load_tokenizer
+
+CORPUS = [
+    "the order ships within two days unless the item is made to order",
+    "returns are accepted for thirty days with the original receipt, don't worry",
+    "Café naïve résumé 東京 and 12345 numbers; punctuation!? (yes) [1] {x: 2}",
+    "  indented\n\tlines\r\nwith   spaces  ",
+] * 20
+
+
+def _train(pre_tokenizer: Any, normalizer: Any, decoder: Any, path: Path) -> Any:
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    from tokenizers import processors
+
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return load_tokenizer(path)  # through the real loading code
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_kind(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    from kvpool.worker.tiny import write_tokenizer
+
+    tiny_dir = tmp_path_factory.mktemp("tiny")
+    write_tokenizer(tiny_dir)
+    llama3_split = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    return {
+        "tiny (byte-level)": load_tokenizer(tiny_dir),
+        "llama3-style (regex split + byte-level)": _train(
+            pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(llama3_split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            ),
+            None,
+            decoders.ByteLevel(),
+            tmp_path_factory.mktemp("llama3"),
+        ),
+        "sentencepiece-style (metaspace)": _train(
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always"),
+            normalizers.NFKC(),
+            decoders.Metaspace(),
+            tmp_path_factory.mktemp("metaspace"),
+        ),
+        "no pre-tokenizer": _train(
+            None, None, decoders.ByteLevel(), tmp_path_factory.mktemp("whole")
+        ),
+    }
+
+
+def test_tokenizers_that_start_a_piece_at_each_word_are_cut_and_others_are_not(
+    tokenizers_by_kind: dict[str, Any],
+) -> None:
+    enabled = {k: PrefixTokenCache(t).enabled for k, t in tokenizers_by_kind.items()}
+    assert enabled == {
+        "tiny (byte-level)": True,
+        "llama3-style (regex split + byte-level)": True,
+        # Metaspace does not prepend a second "▁" to a tail that starts with a space
+        "sentencepiece-style (metaspace)": True,
+        # a BPE over the whole text has pieces across words: cutting would change them
+        "no pre-tokenizer": False,
+    }
+
+
+def test_a_shared_system_prompt_is_tokenized_once(tokenizers_by_kind: dict[str, Any]) -> None:
+    tokenizer = tokenizers_by_kind["tiny (byte-level)"]
+    cache = PrefixTokenCache(tokenizer)
+    system = " ".join(CORPUS[:12])
+    for i in range(20):
+        text = f"{system} Question {i}: does the order ship {i} days late?"
+        assert cache.encode(text) == tokenizer.encode(text)
+    assert cache.misses == 1 and cache.hits == 19
+
+
+LETTERS = "abcdefghij klmn opq  \n\t.,!?'\"0123éü東京"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tiny (byte-level)",
+        "llama3-style (regex split + byte-level)",
+        "sentencepiece-style (metaspace)",
+        "no pre-tokenizer",
+    ],
+)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    bases=st.lists(st.text(LETTERS, min_size=200, max_size=1400), min_size=1, max_size=3),
+    picks=st.lists(
+        st.tuples(
+            st.integers(0, 2), st.integers(0, 1400), st.text(LETTERS, max_size=500), st.booleans()
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_ids_are_the_tokenizers_for_texts_sharing_beginnings(
+    tokenizers_by_kind: dict[str, Any],
+    kind: str,
+    bases: list[str],
+    picks: list[tuple[int, int, str, bool]],
+) -> None:
+    tokenizer = tokenizers_by_kind[kind]
+    cache = PrefixTokenCache(tokenizer, capacity=64)
+    for which, keep, tail, special in picks:
+        text = bases[which % len(bases)][:keep] + tail
+        assert cache.encode(text, add_special_tokens=special) == tokenizer.encode(
+            text, add_special_tokens=special
+        )
+
+
+def test_the_cache_stays_within_its_capacity(tokenizers_by_kind: dict[str, Any]) -> None:
+    tokenizer = tokenizers_by_kind["tiny (byte-level)"]
+    cache = PrefixTokenCache(tokenizer, capacity=10)
+    for i in range(30):
+        cache.encode(f"Document {i}: " + " ".join(CORPUS[i % 4 :][:10]))
+    assert len(cache._entries) <= 10
