@@ -16,10 +16,9 @@ the router gets one core of its own and the load generator and the workers share
 (``--no-pin`` turns this off); each router's CPU time per request is measured too, which
 says what one core of it sustains wherever it runs. The workers are a stub, not
 ``kvpool worker sim-fleet --sim-time-scale 0``: a simulated worker still runs its engine
-loop and costs ~3 ms of CPU per request, enough to hide a router's cost behind its own, and
-it refuses the fields the SGLang router adds to every body (``no_stop_trim``,
-``return_hidden_states``). The stub publishes no KV events, so the kvpool router tracks it
-from its own decisions (speculative entries), as it tracks a vLLM without events.
+loop and costs ~3 ms of CPU per request, enough to hide a router's cost behind its own. The
+stub publishes no KV events, so the kvpool router tracks it from its own decisions
+(speculative entries), as it tracks a vLLM without events.
 
 **Decision time.** The router's own pieces, in process, without HTTP: a block index of
 64 workers holding a million (block, worker) entries (8k-token conversations on 64 shared

@@ -11,15 +11,13 @@ every workload through each router in turn:
 * ``sglang-router``: ``python -m sglang_router.launch_router --policy cache_aware``
   (sglang-router 0.3.2, its default settings).
 
-Every router reaches the workers through the same thin proxy (one process; it reads each
-request's head and body, passes the response back as raw bytes): SGLang's router adds its
-own fields to every body it forwards (``no_stop_trim``, ``return_hidden_states``, ...),
-which kvpool workers refuse as unknown where vLLM ignores them, so the proxy drops those
-fields when they hold SGLang's neutral defaults. Every policy pays the same hop. Requests
-are streamed ``/v1/completions`` with a text prompt, for every policy: the SGLang router's
-cache-aware policy keys on the prompt text, and a prompt string is exactly what both
-routers see. Before every run the workers' prefix caches are emptied and the router is
-started afresh; the runs of one workload and rate follow each other.
+Every router talks to the workers directly (SGLang's router adds fields of its own to
+every body, ``no_stop_trim``, ``return_hidden_states`` and others, which kvpool workers
+accept with the values it sends). Requests are streamed ``/v1/completions`` with a text
+prompt, for every policy: the SGLang router's cache-aware policy keys on the prompt text,
+and a prompt string is exactly what both routers see. Before every run the workers' prefix
+caches are emptied and the router is started afresh; the runs of one workload and rate
+follow each other.
 
 Prompts are made of words that are one token each in the model's tokenizer, so n words are
 n tokens, and every workload is deterministic. Arrivals are Poisson at the rate asked for;
@@ -57,8 +55,8 @@ load imbalance, max/mean busy time over the workers. The workers export no busy 
 it is sampled from their own gauges: a worker is busy while ``vllm:num_requests_running``
 + ``vllm:num_requests_waiting`` > 0, read every 0.25 s. The JSON has more per run: errors,
 requests and prefill tokens per worker, CPU cores per process, kvpool's decisions by
-reason, and the client's TTFT less the workers' own (what the router, the proxy and HTTP
-add). Writes ``bench/results/routing.{md,json,png}`` (TTFT p90 against rate).
+reason, and the client's TTFT less the workers' own (what the router and HTTP add).
+Writes ``bench/results/routing.{md,json,png}`` (TTFT p90 against rate).
 """
 
 from __future__ import annotations
@@ -105,17 +103,6 @@ RATES: dict[str, tuple[float, ...]] = {
 #: what the issue asks of kvpool's default policy
 GOAL_VS_SGLANG = {"multi-turn": 1.3, "mooncake": 1.3}
 BUSY_INTERVAL_S = 0.25
-
-# SGLang's router re-serialises every body with fields of its own. With these values they
-# change nothing, so the proxy drops them; any other value is passed on (and refused).
-SGLANG_NEUTRAL = {
-    "no_stop_trim": False,
-    "return_hidden_states": False,
-    "continue_final_message": False,
-    "separate_reasoning": True,
-    "stream_reasoning": True,
-}
-
 
 # -- prompts ---------------------------------------------------------------------------------
 
@@ -349,30 +336,24 @@ def tail(log: Path, lines: int = 30) -> str:
 
 @dataclass
 class Fleet:
-    workers: list[str]  # the workers' own URLs (metrics, cache resets)
-    proxied: list[str]  # the same workers behind the proxy (what the routers get)
+    workers: list[str]
     procs: list[subprocess.Popen[bytes]]
 
 
 def start_fleet(args: argparse.Namespace, model: Path, tmp: Path) -> Fleet:
     n = args.workers
-    base = free_ports(3 * n)  # one range, so that no two of the three can overlap
-    events, proxy = base + n, base + 2 * n
+    base = free_ports(2 * n)  # one range, so that the two cannot overlap
+    events = base + n
     argv = [*KVPOOL, "worker", "sim-fleet", "--model", str(model), "--count", str(n)]
     argv += ["--base-port", str(base), "--kv-events-base-port", str(events)]
     argv += ["--processes", str(args.fleet_processes), "--max-model-len", "65536"]
     argv += ["--sim-time-scale", str(args.time_scale), "--max-waiting-tokens", "10000000"]
     log = tmp / "fleet.log"
     fleet = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
-    proxy_argv = [sys.executable, __file__, "--proxy", f"{proxy}:{base}:{n}"]
-    plog = tmp / "proxy.log"
-    proxy_proc = subprocess.Popen(proxy_argv, env=ENV, stderr=plog.open("wb"))
     workers = [f"http://127.0.0.1:{base + i}" for i in range(n)]
-    proxied = [f"http://127.0.0.1:{proxy + i}" for i in range(n)]
-    for w, p in zip(workers, proxied, strict=True):
+    for w in workers:
         wait_until(lambda w=w: get_json(w + "/health") is not None, fleet, "the fleet", log)
-        wait_until(lambda p=p: get_json(p + "/health") is not None, proxy_proc, "the proxy", plog)
-    return Fleet(workers, proxied, [proxy_proc, fleet])
+    return Fleet(workers, [fleet])
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -417,11 +398,11 @@ def start_router(
     port = free_ports(2)  # the router's, and the SGLang router's metrics port
     url = f"http://127.0.0.1:{port}"
     log = tmp / f"router-{policy}.log"
-    n = len(fleet.proxied)
+    n = len(fleet.workers)
     if policy == "sglang-router":
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--policy", "cache_aware"]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
-        argv += ["--prometheus-port", str(port + 1), "--worker-urls", *fleet.proxied]
+        argv += ["--prometheus-port", str(port + 1), "--worker-urls", *fleet.workers]
 
         def ready() -> bool:
             listing = get_json(url + "/workers")
@@ -432,7 +413,7 @@ def start_router(
     else:
         argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
         argv += ["--policy", policy, *extra]
-        for w in fleet.proxied:
+        for w in fleet.workers:
             argv += ["--worker", w]
 
         def ready() -> bool:
@@ -442,107 +423,6 @@ def start_router(
     proc = subprocess.Popen(argv, env=ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     wait_until(ready, proc, f"the {policy} router", log, timeout=60)
     return proc, url
-
-
-# -- the proxy (its own process: ``routing.py --proxy LISTEN:TARGET:COUNT``) ------------------
-
-
-def _strip(body: bytes) -> bytes:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return body
-    if not isinstance(obj, dict):
-        return body
-    drop = [k for k, v in SGLANG_NEUTRAL.items() if k in obj and obj[k] == v]
-    if not drop:
-        return body
-    for k in drop:
-        del obj[k]
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        writer.close()
-
-
-async def _proxy_connection(
-    target: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    """Requests are read one by one (head, then a Content-Length body) and passed on,
-    their bodies rewritten; responses flow back as raw bytes."""
-    try:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
-    except OSError:
-        writer.close()
-        return
-    back = asyncio.create_task(_pipe(up_reader, writer))
-    try:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            lines = head[:-4].split(b"\r\n")
-            length = 0
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                if name == b"content-length":
-                    length = int(value)
-                elif name == b"transfer-encoding":
-                    raise ValueError("the proxy takes no chunked request bodies")
-            body = await reader.readexactly(length) if length else b""
-            if body and lines[0].startswith(b"POST /v1/"):
-                new = _strip(body)
-                if new is not body:
-                    keep = [x for x in lines if not x.lower().startswith(b"content-length:")]
-                    head = b"\r\n".join([*keep, b"content-length: %d" % len(new)]) + b"\r\n\r\n"
-                    body = new
-            up_writer.write(head + body)
-            await up_writer.drain()
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError):
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            if up_writer.can_write_eof():
-                up_writer.write_eof()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(back, timeout=600)
-        up_writer.close()
-        writer.close()
-
-
-async def _proxy_main(listen: int, target: int, count: int) -> None:
-    servers = []
-    for i in range(count):
-
-        async def handle(r: Any, w: Any, t: int = target + i) -> None:
-            await _proxy_connection(t, r, w)
-
-        servers.append(await asyncio.start_server(handle, "127.0.0.1", listen + i, limit=2**24))
-    stopped = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stopped.set)
-    loop.add_signal_handler(signal.SIGINT, stopped.set)
-    await stopped.wait()
-    for s in servers:
-        s.close()
-
-
-def proxy_main(spec: str) -> int:
-    listen, target, count = (int(x) for x in spec.split(":"))
-    try:
-        import uvloop
-
-        uvloop.run(_proxy_main(listen, target, count))
-    except ImportError:
-        asyncio.run(_proxy_main(listen, target, count))
-    return 0
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -698,7 +578,7 @@ async def drive(url: str, model: str, sessions: list[Session], workers: list[str
         "imbalance_requests": max_over_mean(requests),
         "imbalance_computed_tokens": max_over_mean(computed),
         # client TTFT - worker TTFT (arrival at the worker to its first output): the
-        # router, the proxy, HTTP and the client, as a share of what the client saw
+        # router, HTTP and the client, as a share of what the client saw
         "path_overhead_ms": (
             (sum(ttfts) / len(ttfts) - worker_ttft / worker_count) * 1000
             if ttfts and worker_count
@@ -736,8 +616,7 @@ def run_one(
             run = uvloop.run
         pids = {
             "router": [router.pid],
-            "fleet": [fleet.procs[1].pid],
-            "proxy": [fleet.procs[0].pid],
+            "fleet": [fleet.procs[0].pid],
         }
         cpu = {k: cpu_seconds(v) for k, v in pids.items()}
         cpu["client"] = time.process_time()
@@ -888,8 +767,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--proxy":
-        return proxy_main(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=".cache/tiny-model", help="its tokenizer is used")
     parser.add_argument("--workers", type=int, default=8)
@@ -905,7 +782,7 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="default bench/results")
     args = parser.parse_args()
-    # SIGTERM unwinds like Ctrl-C, so that the fleet, the proxy and a router are stopped too.
+    # SIGTERM unwinds like Ctrl-C, so that the fleet and a router are stopped too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.monotonic()
     workloads = args.workloads.split(",")
@@ -1015,7 +892,7 @@ def main() -> int:
         "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
         "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
         "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "
-        "TTFT (client TTFT less the workers' own: router, proxy, HTTP, client), median over "
+        "TTFT (client TTFT less the workers' own: router, HTTP, client), median over "
         f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms, SGLang's "
         f"{overhead['sglang-router']:.0f} ms.\n\n"
         "The issue's goals for kvpool's default policy (strictly: any worse figure at any "

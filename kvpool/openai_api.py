@@ -145,9 +145,20 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # SGLang's fields, which its router adds to every body it forwards: accepted so that it
+    # can front these workers too. The reasoning ones change nothing here (no reasoning
+    # parser); the others are refused unless they ask for what is done anyway.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first accepted-but-unsupported setting, as (field, why)."""
+        if self.no_stop_trim:
+            return "no_stop_trim", "use include_stop_str_in_output to keep the stop string"
+        if self.return_hidden_states:
+            return "return_hidden_states", "hidden states are not returned"
         if self.n != 1:
             return "n", "only n=1 is supported; send the request again for more choices"
         if self.presence_penalty or self.frequency_penalty:
@@ -171,6 +182,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    continue_final_message: bool = False  # SGLang's router sends it with every request
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -187,6 +199,8 @@ class CompletionRequest(_Sampling):
             return "suffix", "suffix is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "only best_of=1 is supported"
+        if self.continue_final_message:
+            return "continue_final_message", "continue_final_message applies to chat requests"
         return super().unsupported()
 
 

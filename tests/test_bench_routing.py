@@ -117,15 +117,6 @@ def test_mooncake_prompts_share_exactly_the_blocks_their_hash_ids_share(
     assert sessions[-1].at[0] == pytest.approx(len(rows) / 20.0, rel=0.05)
 
 
-def test_the_proxy_drops_only_the_sglang_routers_neutral_fields(routing: ModuleType) -> None:
-    body = {"prompt": "x", "no_stop_trim": False, "return_hidden_states": False, "n": 1}
-    assert json.loads(routing._strip(json.dumps(body).encode())) == {"prompt": "x", "n": 1}
-    changed = json.dumps({"prompt": "x", "no_stop_trim": True}).encode()
-    assert routing._strip(changed) == changed  # not neutral: passed on, for the worker to refuse
-    untouched = json.dumps({"prompt": "x"}).encode()
-    assert routing._strip(untouched) is untouched
-
-
 @pytest.mark.slow
 def test_a_tiny_run_writes_results_in_the_issues_nesting(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONSAFEPATH": "1"}

@@ -177,6 +177,38 @@ BAD = [
         Bad("/v1/completions", completion(n=2), code="unsupported", param="n", names=("n=1",)),
         id="n-above-one",
     ),
+    # SGLang's fields: accepted with the values its router sends, refused when they ask
+    # for something the worker does not do
+    pytest.param(
+        Bad(
+            "/v1/completions",
+            completion(no_stop_trim=True),
+            code="unsupported",
+            param="no_stop_trim",
+            names=("include_stop_str_in_output",),
+        ),
+        id="sglang-no-stop-trim",
+    ),
+    pytest.param(
+        Bad(
+            "/v1/completions",
+            completion(return_hidden_states=True),
+            code="unsupported",
+            param="return_hidden_states",
+            names=("hidden states",),
+        ),
+        id="sglang-return-hidden-states",
+    ),
+    pytest.param(
+        Bad(
+            "/v1/completions",
+            completion(continue_final_message=True),
+            code="unsupported",
+            param="continue_final_message",
+            names=("chat",),
+        ),
+        id="continue-final-message-on-a-completion",
+    ),
     pytest.param(
         Bad("/v1/completions", completion(stop=[""]), param="stop", names=("stop", "empty")),
         id="stop-list-with-empty-string",
@@ -412,6 +444,45 @@ def test_sim_worker_answers_requests_without_a_seed(start_worker: Any) -> None:
             body = {"prompt": list(range(start + 1, start + 31)), "max_tokens": 2}
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 200, (body, r.text)
+
+
+def test_the_sglang_router_can_front_kvpool_workers(start_worker: Any, tmp_path: Any) -> None:
+    # SGLang's router adds its own fields to every body it forwards (no_stop_trim,
+    # return_hidden_states, the reasoning switches, ...): the worker takes them, so a
+    # pool can sit behind that router as it is.
+    import subprocess
+    import sys
+    import time
+
+    from kvpool.stack import free_port, stop_process
+
+    w = start_worker(engine="sim", sim_time_scale=0)
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--policy", "cache_aware", "--log-level", "warn"]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+    log = (tmp_path / "sglang-router.log").open("wb")
+    proc = subprocess.Popen([*argv, "--worker-urls", w.url], stdout=log, stderr=log)
+    try:
+        model = httpx.get(w.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "hello there", "max_tokens": 3}
+        deadline, r = time.monotonic() + 60, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=10)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert r is not None and r.status_code == 200, (
+            r.text if r is not None else (tmp_path / "sglang-router.log").read_text()[-2000:]
+        )
+        answer = r.json()
+        assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 3
+    finally:
+        stop_process(proc)
+        log.close()
 
 
 def test_drained_worker_refuses_health_and_requests_with_503(start_worker: Any) -> None:
