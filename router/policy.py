@@ -9,13 +9,18 @@ Every piece is small and named, so a decision can be explained worker by worker
 * the **picker** takes the highest total, breaking ties at random, or ignores the scores
   (round-robin, random) for the cache-blind baselines.
 
-The default policy, ``kvpool``, minimises the predicted time to first token: the prompt
-tokens a worker still has to prefill before this request (its queue) plus this request's
-uncached tokens, over the worker's prefill rate (learned from observed TTFTs), plus its
-fixed overhead. Cache is credit only through that prediction, so a worker that holds a hot
-prefix but has a long queue loses to one that must recompute it but is idle: the hot prefix
-spills to a second worker, which then caches it too. The decode-load guard keeps any one
-worker's in-flight requests near the pool's mean whatever the cache says.
+The default policy, ``kvpool``, weighs two things: the predicted time to first token (the
+prompt tokens a worker still has to prefill before this request, its queue, plus this
+request's uncached tokens, over the worker's prefill rate learned from observed TTFTs, plus
+its fixed overhead; scored against the fastest worker's; weight 1) and the share of the
+prompt the worker holds (weight 0.5). The prediction alone is greedy for this one request:
+a holder with a little queue ties with an idle worker that must recompute the prefix, and
+sending it there costs the pool that recomputation and a second copy of the prefix in
+cache, which later requests of the group then split between. The cache share keeps a
+prefix on its holder until the holder is clearly slower (for a prompt 90% cached, until its
+predicted TTFT is 1.8 times the best); then the prefix spills to a second worker, which
+caches it too. The decode-load guard keeps any one worker's in-flight requests within 1.5x
+of the pool's mean (+4) whatever the cache says.
 
 The :class:`Planner` puts three such policies together for the prefill/decode split: the
 aggregated choice decides whether a request is split (by the prompt tokens that worker
@@ -277,10 +282,10 @@ SCORERS: dict[str, Scorer] = {
 class PolicyConfig:
     name: str = "kvpool"
     filters: tuple[str, ...] = ("healthy", "role", "model", "decode-load")
-    scorers: tuple[tuple[str, float], ...] = (("ttft", 1.0), ("kv-usage", 0.1))
+    scorers: tuple[tuple[str, float], ...] = (("ttft", 1.0), ("prefix", 0.5))
     picker: Literal["max", "round-robin", "random"] = "max"
-    guard_ratio: float = 1.25
-    guard_slack: float = 2.0
+    guard_ratio: float = 1.5
+    guard_slack: float = 4.0
     guard_kv_usage: float = 0.97
 
     def __post_init__(self) -> None:

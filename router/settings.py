@@ -40,8 +40,8 @@ class RouterSettings(BaseModel):
     # policy
     policy: Literal["kvpool", "round-robin", "random", "least-loaded", "prefix-only"] = "kvpool"
     scorer: list[str] = Field(default_factory=list)  # name=weight, replaces the policy's
-    guard_ratio: float = Field(1.25, ge=1.0)
-    guard_slack: float = Field(2.0, ge=0.0)
+    guard_ratio: float = Field(1.5, ge=1.0)
+    guard_slack: float = Field(4.0, ge=0.0)
     speculative_ttl_s: float = Field(2.0, gt=0)
     approx_ttl_s: float = Field(120.0, gt=0)
     approx_capacity_blocks: int = Field(50_000, ge=1)
