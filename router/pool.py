@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import statistics
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.hashing import HASH_ALGORITHM
@@ -208,7 +209,7 @@ class WorkerPool:
         self,
         config: PoolConfig,
         index: BlockIndex,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         *,
         on_event_lag: Callable[[float], None] | None = None,
     ) -> None:
@@ -310,33 +311,36 @@ class WorkerPool:
                 self.mark_down(state, "health check failed")
             await asyncio.sleep(cfg.health_interval_s)
 
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        """A GET within the health timeout: the status and the body."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        async with self.client.get(url, timeout=timeout) as resp:
+            return resp.status, await resp.read()
+
     async def _check_health(self, state: WorkerState) -> None:
         try:
-            resp = await self.client.get(
-                state.url + "/health", timeout=self.config.health_timeout_s
-            )
-        except (httpx.HTTPError, OSError) as exc:
+            status, _ = await self._get(state.url + "/health")
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             self.mark_down(state, f"/health: {type(exc).__name__} {exc}".strip())
             return
-        if resp.status_code == 200:
+        if status == 200:
             if state.status != "up":
                 await self._register(state)
         elif state.status == "up":
-            log.warning("worker %s answers /health %d", state.id, resp.status_code)
+            log.warning("worker %s answers /health %d", state.id, status)
             state.status = "unavailable"
         elif state.status == "registering":
             state.status = "unavailable"
 
     async def _register(self, state: WorkerState) -> None:
-        cfg = self.config
         try:
-            resp = await self.client.get(state.url + "/kvpool/info", timeout=cfg.health_timeout_s)
-            if resp.status_code == 404:
+            status, body = await self._get(state.url + "/kvpool/info")
+            if status == 404:
                 info = None
                 state.model = await self._served_model(state)
             else:
-                resp.raise_for_status()
-                info = WorkerInfo.model_validate_json(resp.content)
+                _raise_for_status("/kvpool/info", status)
+                info = WorkerInfo.model_validate_json(body)
                 state.model = info.served_model_name
         except Exception as exc:  # whatever answers there is not a worker we understand
             log.warning("worker %s: registration failed: %s", state.id, exc)
@@ -364,9 +368,9 @@ class WorkerPool:
         )
 
     async def _served_model(self, state: WorkerState) -> str | None:
-        resp = await self.client.get(state.url + "/v1/models", timeout=self.config.health_timeout_s)
-        resp.raise_for_status()
-        data = resp.json().get("data") or []
+        status, body = await self._get(state.url + "/v1/models")
+        _raise_for_status("/v1/models", status)
+        data = json.loads(body).get("data") or []
         return data[0]["id"] if data else None
 
     def _mismatch(self, info: WorkerInfo | None) -> str | None:
@@ -457,9 +461,9 @@ class WorkerPool:
             if state.status != "up":
                 continue
             try:
-                resp = await self.client.get(state.url + "/metrics", timeout=cfg.health_timeout_s)
-                resp.raise_for_status()
-                values = await asyncio.to_thread(parse_load, resp.text)
+                status, body = await self._get(state.url + "/metrics")
+                _raise_for_status("/metrics", status)
+                values = await asyncio.to_thread(parse_load, body.decode(errors="replace"))
             except Exception as exc:  # no load reading this time; it goes stale, then unknown
                 log.debug("worker %s: /metrics: %s", state.id, exc)
                 continue
@@ -467,6 +471,11 @@ class WorkerPool:
             state.waiting = values.get("vllm:num_requests_waiting")
             state.running = values.get("vllm:num_requests_running")
             state.scraped_at = time.monotonic()
+
+
+def _raise_for_status(path: str, status: int) -> None:
+    if status >= 400:
+        raise ValueError(f"{path} answered {status}")
 
 
 LOAD_METRICS = (

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -112,9 +111,8 @@ class Router:
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
-        self.client: httpx.AsyncClient | None = None  # the pool's checks and scrapes
-        # The requests themselves: aiohttp's client costs a fifth of httpx's CPU per request
-        # (bench/router_overhead.py), which is most of what the router adds.
+        # To the workers (requests, health checks, scrapes): aiohttp's client costs a fifth of
+        # httpx's CPU per request, which was most of what the router added.
         self.upstream: aiohttp.ClientSession | None = None
         self.model_name = s.model_name
         self.pool: WorkerPool | None = None
@@ -134,10 +132,6 @@ class Router:
         self.token_cache = PrefixTokenCache(self.tokenizer)
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
         self.upstream = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
             timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s),
@@ -145,7 +139,7 @@ class Router:
             skip_auto_headers=("User-Agent",),
         )
         self.pool = WorkerPool(
-            s.pool_config(), self.index, self.client, on_event_lag=self._on_event_lag
+            s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
         )
         self.metrics = RouterMetrics(lambda: list(self._pool().workers.values()), self.index)
         if s.discovery == "kubernetes":
@@ -188,8 +182,6 @@ class Router:
                 await self._discovery_task
         if self.pool is not None:
             await self.pool.close()
-        if self.client is not None:
-            await self.client.aclose()
         if self.upstream is not None:
             await self.upstream.close()
 
@@ -377,30 +369,9 @@ class Router:
     ) -> Response:
         """Run ``work`` (a whole answer being awaited) but give up when the client hangs up:
         the worker's connection is closed, which makes it abort the request and free its
-        blocks, instead of computing an answer nobody will read. One watcher task, which
-        cancels this one: ``work`` itself runs here, not in a task of its own."""
-        this = asyncio.current_task()
-        assert this is not None
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            try:
-                await _client_gone(request)
-            except Exception:  # cannot tell whether the client is there: carry on
-                return
-            left = True
-            this.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
+        blocks, instead of computing an answer nobody will read."""
+        async with _until_client_leaves(request.receive):
             return await work
-        except asyncio.CancelledError:
-            if not left:
-                raise
-            this.uncancel()
-        finally:
-            watcher.cancel()
         self._metrics().requests.labels("cancelled").inc()
         return Response(status_code=499)  # nobody reads it; logs show why it ended
 
@@ -991,21 +962,50 @@ class _Relay:
 
 
 class _RelayResponse(StreamingResponse):
+    """Starlette's streaming response watches for the client leaving with an anyio task
+    group, two tasks a request; this one relays in the request's own task, with one
+    watcher that cancels it when the client hangs up."""
+
     def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
         super().__init__(relay.stream(), headers=headers, media_type="text/event-stream")
         self.relay = relay
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with _until_client_leaves(receive):
+                await self.stream_response(send)
         finally:
             await self.relay.close()
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (its body has been read: nothing else comes)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+@asynccontextmanager
+async def _until_client_leaves(receive: Any) -> AsyncIterator[None]:
+    """Cancel the body of the ``async with`` when the client disconnects (its request body
+    has been read: nothing else comes), and carry on after it; a cancellation from
+    elsewhere passes through. Cheaper than a task for the work and one for the watch."""
+    this = asyncio.current_task()
+    assert this is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # cannot tell whether the client is there: carry on
+            return
+        left = True
+        this.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        this.uncancel()
+    finally:
+        watcher.cancel()
 
 
 def _prefill_body(request: dict[str, Any]) -> bytes:
