@@ -91,17 +91,21 @@ POLICIES = (*KVPOOL_POLICIES, "sglang-router")
 BASELINES = POLICIES[1:]
 
 #: request rates (req/s) per workload: from light load to where the cache-blind baselines
-#: saturate (at 24 req/s their TTFT p90 is 1.5-3x what it is at 8). Higher rates would
-#: measure this machine: the Python router then needs most of a core, and the time it adds
-#: to a request grows past 30 ms (the JSON's path_overhead_ms).
+#: saturate (at 32 req/s their TTFT p90 is several times what it is at 8, and grows through
+#: the run). Higher rates would measure this machine more than the policies: the workers'
+#: simulation, the client and the router share its two cores.
 RATES: dict[str, tuple[float, ...]] = {
-    "groups": (8.0, 16.0, 24.0),
-    "multi-turn": (8.0, 16.0, 24.0),
-    "mooncake": (8.0, 16.0, 24.0),
-    "one-system-prompt": (8.0, 16.0, 24.0),
+    "groups": (8.0, 16.0, 24.0, 32.0),
+    "multi-turn": (8.0, 16.0, 24.0, 32.0),
+    "mooncake": (8.0, 16.0, 24.0, 32.0),
+    "one-system-prompt": (8.0, 16.0, 24.0, 32.0),
 }
 #: what the issue asks of kvpool's default policy
 GOAL_VS_SGLANG = {"multi-turn": 1.3, "mooncake": 1.3}
+#: run-to-run spread of one configuration on this machine (bench/README.md): differences
+#: within it are not told apart by one run
+NOISE_TTFT = 0.10  # relative
+NOISE_HIT = 0.02  # absolute
 BUSY_INTERVAL_S = 0.25
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -680,12 +684,16 @@ def goals(workload: str, rows: dict[str, dict[str, dict[str, Any]]]) -> list[dic
                 a, b = ours[rate][metric], r[metric]
                 worse = a > b if better == "lower" else a < b
                 if worse:
-                    misses.append({"policy": policy, "rate": rate, "kvpool": a, "other": b})
+                    beyond = a > b * (1 + NOISE_TTFT) if better == "lower" else a < b - NOISE_HIT
+                    misses.append(
+                        {"policy": policy, "rate": rate, "kvpool": a, "other": b, "beyond": beyond}
+                    )
         out.append(
             {
                 "goal": f"{'TTFT p90' if metric == 'ttft_p90' else 'hit ratio'} at least as "
                 "good as every other policy's",
                 "held": not misses,
+                "held_within_noise": not any(m["beyond"] for m in misses),
                 "misses": misses,
             }
         )
@@ -698,6 +706,7 @@ def goals(workload: str, rows: dict[str, dict[str, dict[str, Any]]]) -> list[dic
             {
                 "goal": f"TTFT p90 >= {want}x lower than the SGLang router's",
                 "held": all(x >= want for x in ratios.values()),
+                "held_within_noise": all(x >= want * (1 - NOISE_TTFT) for x in ratios.values()),
                 "ratios": ratios,
             }
         )
@@ -716,7 +725,10 @@ def describe_goal(g: dict[str, Any]) -> str:
                 gap = f"{ours:.1%} vs {theirs:.1%}, {(ours - theirs) * 100:+.1f} points"
             else:
                 gap = f"{ours * 1000:,.0f} vs {theirs * 1000:,.0f} ms, {ours / theirs - 1:+.0%}"
-            parts.append(f"{m['policy']} at {m['rate']} req/s ({gap})")
+            parts.append(
+                f"{m['policy']} at {m['rate']} req/s ({gap}"
+                + (")" if m["beyond"] else ", within noise)")
+            )
         detail = "kvpool worse than " + "; ".join(parts)
     else:
         detail = "at every rate"
@@ -763,6 +775,82 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> None:
+    """The tables (printed, and routing.md), routing.json and the plot, from the results
+    and what the run recorded (``meta``); ``--render`` calls it on an earlier run's JSON."""
+    workloads = list(results)
+    notes = meta["notes"]
+    all_goals = {w: goals(w, results[w]) for w in workloads}
+
+    def median_overhead(sglang: bool) -> float:
+        xs = sorted(
+            r["path_overhead_ms"]
+            for w in results.values()
+            for policy, by_rate in w.items()
+            for r in by_rate.values()
+            if (policy == "sglang-router") == sglang and math.isfinite(r["path_overhead_ms"])
+        )
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    overhead = {"kvpool router": median_overhead(False), "sglang-router": median_overhead(True)}
+
+    def yes(held: bool) -> str:
+        return "yes" if held else "**no**"
+
+    summary = [
+        "| workload | goal | held | held within run-to-run noise |",
+        "|---|---|---|---|",
+        *(
+            f"| {w} | {g['goal']} | {yes(g['held'])} | {yes(g['held_within_noise'])} |"
+            for w in workloads
+            for g in all_goals[w]
+        ),
+    ]
+    load_before, load_after = meta["load_average"]
+    header = (
+        f"# Routing quality ({meta['date']}, {meta['machine'].split(', ')[0]}, "
+        f"{meta['machine'].split(', ')[1]}, Python {meta['python']})\n\n"
+        f"`{meta['command']}`: {meta['workers']} simulated workers "
+        f"(`kvpool worker sim-fleet`, {meta['fleet_processes']} processes, timing model slowed "
+        f"{meta['time_scale']:g}x) behind each router in turn, the same workers for all, prefix "
+        f"caches emptied and the router restarted before every run; streamed "
+        f"`/v1/completions`, TTFT at the client; {meta['duration_s']:g} s of Poisson arrivals "
+        f"per run (the Mooncake sample: its own arrival times, compressed to the rate). Whole "
+        f"benchmark {meta['wall_s'] / 60:.1f} min; load average {load_before:.2f} before, "
+        f"{load_after:.2f} after (other processes share this machine's cores).\n\n"
+        "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
+        "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
+        "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
+        "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "
+        "TTFT (client TTFT less the workers' own: router, HTTP, client), median over "
+        f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms, SGLang's "
+        f"{overhead['sglang-router']:.0f} ms.\n\n"
+        "The issue's goals for kvpool's default policy. Held: no worse figure at any rate. "
+        f"Held within noise: none worse by more than one configuration's run-to-run spread "
+        f"on this machine ({NOISE_TTFT:.0%} of TTFT p90, {NOISE_HIT * 100:.0f} points of hit "
+        "ratio; bench/README.md). The misses and their sizes are under each table.\n\n"
+        + "\n".join(summary)
+        + "\n"
+    )
+    sections = []
+    for workload in workloads:
+        section = table(workload, results[workload], notes[workload])
+        lines = [describe_goal(g) for g in all_goals[workload]]
+        sections.append(section + ("\n\nGoals:\n\n" + "\n".join(lines) if lines else ""))
+    text = header + "\n" + "\n\n".join(sections) + "\n"
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing.md").write_text(text)
+    meta = {
+        **meta,
+        "goals": all_goals,
+        "path_overhead_ms_median": overhead,
+        "units": "ttft_* in seconds, throughput in output tokens/s, hit_ratio 0..1",
+    }
+    (out / "routing.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
+    plot(results, out / "routing.png")
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -781,7 +869,15 @@ def main() -> int:
         "--router-args", default="", help="more `kvpool router serve` flags, for trials"
     )
     parser.add_argument("--out", type=Path, default=None, help="default bench/results")
+    parser.add_argument(
+        "--render", type=Path, default=None, help="only write the tables again from a routing.json"
+    )
     args = parser.parse_args()
+    if args.render is not None:
+        earlier = json.loads(args.render.read_text())
+        meta = earlier.pop("meta")
+        write_results(args.out or args.render.parent, earlier, meta)
+        return 0
     # SIGTERM unwinds like Ctrl-C, so that the fleet and a router are stopped too.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.monotonic()
@@ -855,60 +951,6 @@ def main() -> int:
         if decisions.get("decisions"):
             counts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions["decisions"].items()))
             notes[workload] += f" kvpool's decisions at that rate, by reason: {counts}."
-    all_goals = {w: goals(w, results[w]) for w in workloads}
-
-    def median_overhead(sglang: bool) -> float:
-        xs = sorted(
-            r["path_overhead_ms"]
-            for w in results.values()
-            for policy, by_rate in w.items()
-            for r in by_rate.values()
-            if (policy == "sglang-router") == sglang and math.isfinite(r["path_overhead_ms"])
-        )
-        return xs[len(xs) // 2] if xs else float("nan")
-
-    overhead = {"kvpool router": median_overhead(False), "sglang-router": median_overhead(True)}
-    summary = [
-        "| workload | goal | held |",
-        "|---|---|---|",
-        *(
-            f"| {w} | {g['goal']} | {'yes' if g['held'] else '**no**'} |"
-            for w in workloads
-            for g in all_goals[w]
-        ),
-    ]
-    header = (
-        f"# Routing quality ({dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()})\n\n"
-        f"`{' '.join(['bench/routing.py', *sys.argv[1:]])}`: {args.workers} simulated workers "
-        f"(`kvpool worker sim-fleet`, {args.fleet_processes} processes, timing model slowed "
-        f"{args.time_scale:g}x) behind each router in turn, the same workers for all, prefix "
-        f"caches emptied and the router restarted before every run; streamed "
-        f"`/v1/completions`, TTFT at the client; {args.duration:g} s of Poisson arrivals per "
-        f"run (the Mooncake sample: its own arrival times, compressed to the rate). Whole "
-        f"benchmark {wall / 60:.1f} min; load average {load_before[0]:.2f} before, "
-        f"{load_after[0]:.2f} after (other processes share this machine's cores).\n\n"
-        "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
-        "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
-        "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
-        "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "
-        "TTFT (client TTFT less the workers' own: router, HTTP, client), median over "
-        f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms, SGLang's "
-        f"{overhead['sglang-router']:.0f} ms.\n\n"
-        "The issue's goals for kvpool's default policy (strictly: any worse figure at any "
-        "rate is a miss; the misses and their sizes are under each table):\n\n"
-        + "\n".join(summary)
-        + "\n"
-    )
-    sections = []
-    for workload in workloads:
-        section = table(workload, results[workload], notes[workload])
-        lines = [describe_goal(g) for g in all_goals[workload]]
-        sections.append(section + ("\n\nGoals:\n\n" + "\n".join(lines) if lines else ""))
-    text = header + "\n" + "\n\n".join(sections) + "\n"
-    print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "routing.md").write_text(text)
     meta = {
         "date": str(dt.date.today()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
@@ -922,12 +964,8 @@ def main() -> int:
         "load_average": [load_before[0], load_after[0]],
         "ideal_hit_ratio": ideal,
         "notes": notes,
-        "goals": all_goals,
-        "path_overhead_ms_median": overhead,
-        "units": "ttft_* in seconds, throughput in output tokens/s, hit_ratio 0..1",
     }
-    (out / "routing.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
-    plot(results, out / "routing.png")
+    write_results(out, results, meta)
     print(f"wrote {out}/routing.{{md,json,png}} in {wall / 60:.1f} min", file=sys.stderr)
     return 0
 

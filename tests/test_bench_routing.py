@@ -136,3 +136,30 @@ def test_a_tiny_run_writes_results_in_the_issues_nesting(tmp_path: Path) -> None
     assert "meta" in results
     assert (tmp_path / "routing.md").read_text().startswith("# Routing quality")
     assert (tmp_path / "routing.png").stat().st_size > 0
+    # the tables can be written again from the JSON alone, the same as the run wrote them
+    first = (tmp_path / "routing.md").read_text()
+    (tmp_path / "routing.md").unlink()
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--render", str(tmp_path / "routing.json")],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    assert (tmp_path / "routing.md").read_text() == first
+
+
+def test_goals_tell_misses_within_run_to_run_noise_from_real_ones(routing: ModuleType) -> None:
+    def run(p90: float, hit: float) -> dict[str, float]:
+        return {"ttft_p90": p90, "hit_ratio": hit}
+
+    rows = {
+        "kvpool": {"8": run(1.05, 0.60), "16": run(1.30, 0.50)},
+        "round-robin": {"8": run(1.00, 0.61), "16": run(1.00, 0.40)},
+    }
+    ttft, hit = routing.goals("groups", rows)
+    assert not ttft["held"] and not ttft["held_within_noise"]  # 30% worse at 16 req/s
+    assert [(m["rate"], m["beyond"]) for m in ttft["misses"]] == [("8", False), ("16", True)]
+    assert not hit["held"] and hit["held_within_noise"]  # one point under, at 8 req/s
+    assert "within noise" in routing.describe_goal(hit)
