@@ -491,13 +491,9 @@ def post(url: str, body: dict[str, Any], timeout: float = 5.0) -> int:
 
 
 def wait_until(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} was not ready in 120 s")
-        time.sleep(0.1)
+    from kvpool.stack import wait_until
+
+    wait_until(check, proc, what)
 
 
 @dataclass

@@ -322,13 +322,13 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
 
 def wait_until(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path,
                timeout: float = 120) -> None:  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while not check():
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}:\n{tail(log)}")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{what} not ready in {timeout:.0f} s:\n{tail(log)}")
-        time.sleep(0.1)
+    """kvpool.stack's wait, ending the benchmark with the process's log when it fails."""
+    from kvpool.stack import StackError, wait_until
+
+    try:
+        wait_until(check, proc, what, timeout)
+    except StackError as exc:
+        raise SystemExit(f"{exc}:\n{tail(log)}") from None
 
 
 def tail(log: Path, lines: int = 30) -> str:

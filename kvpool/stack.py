@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "run_demo",
     "stop_process",
     "wait_healthy",
+    "wait_until",
 ]
 
 
@@ -99,16 +101,23 @@ def healthy(url: str) -> bool:
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 120.0) -> None:
-    """Until the server ``proc`` runs at ``url`` is healthy; :class:`StackError` if the
-    process exits first or ``timeout`` seconds pass."""
+def wait_until(
+    check: Callable[[], bool], proc: subprocess.Popen[Any], what: str, timeout: float = 120.0
+) -> None:
+    """Until ``check()`` holds for the process ``proc`` (``what`` names it in errors);
+    :class:`StackError` if the process exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
-    while not healthy(url):
+    while not check():
         if proc.poll() is not None:
-            raise StackError(f"{url}: the process exited with {proc.returncode}")
+            raise StackError(f"{what}: the process exited with {proc.returncode}")
         if time.monotonic() > deadline:
-            raise StackError(f"{url} did not become healthy in {timeout:.0f} s")
+            raise StackError(f"{what} was not ready in {timeout:.0f} s")
         time.sleep(0.1)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[Any], timeout: float = 120.0) -> None:
+    """Until the server ``proc`` runs at ``url`` is healthy (see :func:`wait_until`)."""
+    wait_until(lambda: healthy(url), proc, url, timeout)
 
 
 @dataclass
