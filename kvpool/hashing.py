@@ -136,9 +136,7 @@ class BlockHasher:
         digests: list[bytes] = []
         parent = self.root
         for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
-            extra = (
-                block_extra_keys(index, lora_name, cache_salt) if index == 0 or lora_name else None
-            )
+            extra = block_extra_keys(index, lora_name, cache_salt)
             parent = _recent_block(parent, tuple(tokens[start : start + size]), extra)
             digests.append(parent)
         return digests
