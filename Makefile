@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench bench-routing bench-overhead run demo crd dashboards chart clean
+.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-overhead run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -47,6 +47,10 @@ bench: install
 # Routing quality on 8 simulated workers: kvpool's policy, the baselines and the SGLang router.
 bench-routing: install
 	$(PY) bench/routing.py
+
+# Session affinity on and off on the multi-turn workload, beside the SGLang router.
+bench-affinity: install
+	$(PY) bench/routing.py --affinity
 
 # The latency the router adds, its highest sustained rate (beside the SGLang router), and
 # its decision time with 64 workers and 1M indexed blocks.

@@ -6,8 +6,9 @@ block pool and prefix cache, with the 8B-on-H100 timing model slowed ``--time-sc
 times, so that the workers' time and not this 2-core machine's makes the latencies) serve
 every workload through each router in turn:
 
-* ``kvpool`` (the default), ``round-robin``, ``least-loaded``, ``prefix-only``: ``kvpool
-  router serve --policy ...``;
+* ``kvpool`` (the default, session affinity on), ``round-robin``, ``least-loaded``,
+  ``prefix-only``: ``kvpool router serve --policy ...``; ``kvpool-no-affinity``: the
+  default with ``--affinity-weight 0`` (only when named: ``--affinity``, ``--policies``);
 * ``sglang-router``: ``python -m sglang_router.launch_router --policy cache_aware``
   (sglang-router 0.3.2, its default settings).
 
@@ -32,6 +33,9 @@ n tokens, and every workload is deterministic. Arrivals are Poisson at the rate 
   a conversation of 2-6 turns that has had its last is replaced by a new one. The answer in
   the transcript is a stand-in text as long as the generated one, so that the workload does
   not depend on what a worker generated (with the real answer, a little more would hit).
+  Every turn carries the header ``x-session-id: <the conversation's id>``, by which
+  kvpool's router keeps a conversation on the worker its last turn went to (a soft
+  ``affinity`` score; the other routers ignore the header).
 * ``mooncake``: the Mooncake synthetic trace (``bench/data``, 3,993 requests over 17 min,
   lengths in tokens, ``hash_ids`` over 512-token blocks), rescaled to fit 8 workers and a
   few seconds: (1) the requests of one prefix tree in 24 (first hash id divisible by 24):
@@ -57,6 +61,12 @@ it is sampled from their own gauges: a worker is busy while ``vllm:num_requests_
 requests and prefill tokens per worker, CPU cores per process, kvpool's decisions by
 reason, and the client's TTFT less the workers' own (what the router and HTTP add).
 Writes ``bench/results/routing.{md,json,png}`` (TTFT p90 against rate).
+
+``--affinity`` measures session affinity alone: only ``multi-turn``, through ``kvpool``,
+``kvpool-no-affinity`` and ``sglang-router``, at the same rates (``--rates``, ``--quick``
+apply), written to ``bench/results/affinity.{md,json,png}`` in the same nesting and row
+format (workload, policy, rate), with a table of affinity on against off; routing.* are
+left as they are.
 """
 
 from __future__ import annotations
@@ -86,9 +96,23 @@ RESULTS = HERE / "results"
 TRACE = HERE / "data" / "mooncake_synthetic_trace.jsonl"
 KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
-KVPOOL_POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only")
+#: kvpool's policies by their name here: the ``kvpool router serve`` flags that make each
+KVPOOL_POLICIES: dict[str, tuple[str, ...]] = {
+    "kvpool": ("--policy", "kvpool"),  # the default, session affinity on (weight 0.3)
+    "round-robin": ("--policy", "round-robin"),
+    "least-loaded": ("--policy", "least-loaded"),
+    "prefix-only": ("--policy", "prefix-only"),
+    "kvpool-no-affinity": ("--policy", "kvpool", "--affinity-weight", "0"),
+}
 POLICIES = (*KVPOOL_POLICIES, "sglang-router")
-BASELINES = POLICIES[1:]
+#: what a run without ``--policies`` compares (kvpool-no-affinity only in ``--affinity``)
+DEFAULT_POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only", "sglang-router")
+#: ``--affinity``: session affinity on and off, beside the SGLang router, on the workload
+#: made of conversations
+AFFINITY_WORKLOAD = "multi-turn"
+AFFINITY_POLICIES = ("kvpool", "kvpool-no-affinity", "sglang-router")
+#: the header kvpool's router reads a conversation's id from (``--session-header``'s default)
+SESSION_HEADER = "x-session-id"
 
 #: request rates (req/s) per workload: from light load to where the cache-blind baselines
 #: saturate (at 32 req/s their TTFT p90 is several times what it is at 8, and grows through
@@ -148,6 +172,13 @@ class Session:
     at: tuple[float, ...]
     prompts: tuple[str, ...]
     max_tokens: tuple[int, ...]
+    #: the conversation's id, sent with its every turn (a multi-turn session's only)
+    session_id: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """What each of its requests carries besides the body: the session header, which
+        kvpool's router keeps a conversation on its worker by (other routers ignore it)."""
+        return {SESSION_HEADER: self.session_id} if self.session_id is not None else {}
 
 
 def _arrivals(key: str, rate: float, n: int) -> list[float]:
@@ -212,7 +243,8 @@ def multi_turn(words: Words, rate: float, duration: float) -> list[Session]:
                     prompt += answer + words.text(f"mt{s}-question{k}", rng.randint(16, 256))
                 prompts.append(prompt)
                 max_tokens.append(rng.randint(8, 48))
-            out.append(Session(tuple(times[:turns]), tuple(prompts), tuple(max_tokens)))
+            session = Session(tuple(times[:turns]), tuple(prompts), tuple(max_tokens), f"mt{s}")
+            out.append(session)
             times = times[turns:]
     return sorted(out, key=lambda x: x.at[0])
 
@@ -394,6 +426,18 @@ def reset_caches(workers: list[str]) -> None:
             time.sleep(0.2)
 
 
+def kvpool_router_argv(
+    policy: str, model: Path, port: int, workers: list[str], extra: list[str]
+) -> list[str]:
+    """``kvpool router serve`` for one of :data:`KVPOOL_POLICIES`; the policy's own flags
+    come after ``extra``, so that a variant stays what its name says (the last flag wins)."""
+    argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
+    argv += [*extra, *KVPOOL_POLICIES[policy]]
+    for w in workers:
+        argv += ["--worker", w]
+    return argv
+
+
 def start_router(
     policy: str, model: Path, fleet: Fleet, tmp: Path, extra: list[str]
 ) -> tuple[Any, str]:
@@ -415,10 +459,7 @@ def start_router(
             up = [w for w in listing.get("workers", []) if w.get("is_healthy")]
             return len(up) == n
     else:
-        argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
-        argv += ["--policy", policy, *extra]
-        for w in fleet.workers:
-            argv += ["--worker", w]
+        argv = kvpool_router_argv(policy, model, port, fleet.workers, extra)
 
         def ready() -> bool:
             health = get_json(url + "/health")
@@ -488,7 +529,7 @@ async def drive(url: str, model: str, sessions: list[Session], workers: list[str
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(done.wait(), BUSY_INTERVAL_S)
 
-        async def one(prompt: str, max_tokens: int) -> bool:
+        async def one(prompt: str, max_tokens: int, headers: dict[str, str]) -> bool:
             body = {
                 "model": model,
                 "prompt": prompt,
@@ -500,7 +541,7 @@ async def drive(url: str, model: str, sessions: list[Session], workers: list[str
             first = None
             finished = False
             try:
-                async with http.post(url + "/v1/completions", json=body) as resp:
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
                     if resp.status != 200:
                         errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                         return False
@@ -528,7 +569,7 @@ async def drive(url: str, model: str, sessions: list[Session], workers: list[str
         async def session(s: Session, t0: float) -> None:
             for at, prompt, max_tokens in zip(s.at, s.prompts, s.max_tokens, strict=True):
                 await asyncio.sleep(max(0.0, t0 + at - loop.time()))
-                if not await one(prompt, max_tokens):
+                if not await one(prompt, max_tokens, s.headers()):
                     return  # a failed turn ends the conversation
 
         t0 = loop.time()
@@ -775,9 +816,35 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def affinity_table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Session affinity on (``kvpool``) against off (``kvpool-no-affinity``), rate by rate:
+    what keeping a conversation on its worker buys in hit ratio and TTFT."""
+    lines = [
+        "| rate req/s | hit ratio, affinity on / off | TTFT p90 ms, on / off | p90 off / on "
+        "| TTFT p99 ms, on / off | imbalance, on / off |",
+        "|---|---|---|---|---|---|",
+    ]
+    on, off = rows["kvpool"], rows["kvpool-no-affinity"]
+    for rate in on:
+        a, b = on[rate], off[rate]
+        lines.append(
+            f"| {rate} | {a['hit_ratio']:.1%} / {b['hit_ratio']:.1%} "
+            f"({(a['hit_ratio'] - b['hit_ratio']) * 100:+.1f} points) "
+            f"| {_ms(a['ttft_p90'])} / {_ms(b['ttft_p90'])} | {b['ttft_p90'] / a['ttft_p90']:.2f}x "
+            f"| {_ms(a['ttft_p99'])} / {_ms(b['ttft_p99'])} "
+            f"| {a['imbalance']:.2f} / {b['imbalance']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+MOONCAKE_NOTE = " (the Mooncake sample: its own arrival times, compressed to the rate)"
+
+
 def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> None:
-    """The tables (printed, and routing.md), routing.json and the plot, from the results
-    and what the run recorded (``meta``); ``--render`` calls it on an earlier run's JSON."""
+    """The tables (printed, and ``<name>.md``), ``<name>.json`` and the plot, from the results
+    and what the run recorded (``meta``; its ``name``: ``routing``, or ``affinity`` for
+    ``--affinity``); ``--render`` calls it on an earlier run's JSON."""
+    name = meta.get("name", "routing")
     workloads = list(results)
     notes = meta["notes"]
     all_goals = {w: goals(w, results[w]) for w in workloads}
@@ -807,15 +874,16 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         ),
     ]
     load_before, load_after = meta["load_average"]
+    title = "Session affinity" if name == "affinity" else "Routing quality"
     header = (
-        f"# Routing quality ({meta['date']}, {meta['machine'].split(', ')[0]}, "
+        f"# {title} ({meta['date']}, {meta['machine'].split(', ')[0]}, "
         f"{meta['machine'].split(', ')[1]}, Python {meta['python']})\n\n"
         f"`{meta['command']}`: {meta['workers']} simulated workers "
         f"(`kvpool worker sim-fleet`, {meta['fleet_processes']} processes, timing model slowed "
         f"{meta['time_scale']:g}x) behind each router in turn, the same workers for all, prefix "
         f"caches emptied and the router restarted before every run; streamed "
         f"`/v1/completions`, TTFT at the client; {meta['duration_s']:g} s of Poisson arrivals "
-        f"per run (the Mooncake sample: its own arrival times, compressed to the rate). Whole "
+        f"per run{MOONCAKE_NOTE if 'mooncake' in results else ''}. Whole "
         f"benchmark {meta['wall_s'] / 60:.1f} min; load average {load_before:.2f} before, "
         f"{load_after:.2f} after (other processes share this machine's cores).\n\n"
         "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
@@ -832,6 +900,18 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         + "\n".join(summary)
         + "\n"
     )
+    rows = results.get(AFFINITY_WORKLOAD, {})
+    if "kvpool" in rows and "kvpool-no-affinity" in rows:
+        header += (
+            f"\n## Session affinity on and off ({AFFINITY_WORKLOAD})\n\n"
+            f"Every turn of a conversation carries `{SESSION_HEADER}: <its id>`. `kvpool`: "
+            "the default policy, whose `affinity` score (weight 0.3 unless `--router-args` "
+            "said otherwise: see the command) keeps a conversation on the worker its last turn "
+            "went to; `kvpool-no-affinity`: the same with "
+            "`--affinity-weight 0`. p90 off / on above 1: affinity lowers the p90.\n\n"
+            + affinity_table(rows)
+            + "\n"
+        )
     sections = []
     for workload in workloads:
         section = table(workload, results[workload], notes[workload])
@@ -840,31 +920,41 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
     text = header + "\n" + "\n\n".join(sections) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "routing.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     meta = {
         **meta,
         "goals": all_goals,
         "path_overhead_ms_median": overhead,
         "units": "ttft_* in seconds, throughput in output tokens/s, hit_ratio 0..1",
     }
-    (out / "routing.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
-    plot(results, out / "routing.png")
+    (out / f"{name}.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
+    plot(results, out / f"{name}.png")
 
 
 # -- main ------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=".cache/tiny-model", help="its tokenizer is used")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--fleet-processes", type=int, default=2)
     parser.add_argument("--time-scale", type=float, default=8.0, help="slow the timing model")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--workloads", default=None, help=f"default {','.join(WORKLOADS)}")
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help=f"default {','.join(DEFAULT_POLICIES)}; also kvpool-no-affinity",
+    )
     parser.add_argument("--rates", default=None, help="the same rates for every workload")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--affinity",
+        action="store_true",
+        help=f"session affinity on and off: only {AFFINITY_WORKLOAD}, policies "
+        f"{', '.join(AFFINITY_POLICIES)}; writes affinity.{{md,json,png}}",
+    )
     parser.add_argument(
         "--router-args", default="", help="more `kvpool router serve` flags, for trials"
     )
@@ -872,17 +962,29 @@ def main() -> int:
     parser.add_argument(
         "--render", type=Path, default=None, help="only write the tables again from a routing.json"
     )
-    args = parser.parse_args()
-    if args.render is not None:
-        earlier = json.loads(args.render.read_text())
-        meta = earlier.pop("meta")
-        write_results(args.out or args.render.parent, earlier, meta)
-        return 0
-    # SIGTERM unwinds like Ctrl-C, so that the fleet and a router are stopped too.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    started = time.monotonic()
-    workloads = args.workloads.split(",")
-    policies = args.policies.split(",")
+    return parser
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run measures and where it writes, from the command line."""
+
+    name: str  # the results' file names: routing or affinity
+    workloads: list[str]
+    policies: list[str]
+    rates: dict[str, tuple[float, ...]]
+    duration: float
+    out: Path
+
+
+def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
+    if args.affinity and (args.workloads or args.policies):
+        parser.error("--affinity runs its own workload and policies: no --workloads, --policies")
+    if args.affinity:
+        workloads, policies = [AFFINITY_WORKLOAD], list(AFFINITY_POLICIES)
+    else:
+        workloads = (args.workloads or ",".join(WORKLOADS)).split(",")
+        policies = (args.policies or ",".join(DEFAULT_POLICIES)).split(",")
     for name in workloads:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -892,12 +994,31 @@ def main() -> int:
     rates = {w: RATES[w] for w in workloads}
     if args.rates:
         rates = {w: tuple(float(x) for x in args.rates.split(",")) for w in workloads}
+    duration = args.duration
     if args.quick:
         rates = {w: (r[len(r) // 2],) for w, r in rates.items()}
-        args.duration = min(args.duration, 4.0)
+        duration = min(duration, 4.0)
     out = args.out or (
         Path(tempfile.gettempdir()) / "kvpool-bench-routing-quick" if args.quick else RESULTS
     )
+    name = "affinity" if args.affinity else "routing"
+    return Plan(name, workloads, policies, rates, duration, out)
+
+
+def main() -> int:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.render is not None:
+        earlier = json.loads(args.render.read_text())
+        meta = earlier.pop("meta")
+        write_results(args.out or args.render.parent, earlier, meta)
+        return 0
+    run = plan(args, parser)
+    workloads, policies, rates, out = run.workloads, run.policies, run.rates, run.out
+    args.duration = run.duration
+    # SIGTERM unwinds like Ctrl-C, so that the fleet and a router are stopped too.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    started = time.monotonic()
     model = Path(args.model)
     if not (model / "config.json").is_file():
         subprocess.run([*KVPOOL, "worker", "make-tiny-model", str(model)], env=ENV, check=True)
@@ -923,7 +1044,7 @@ def main() -> int:
                         results[workload][policy][key] = r
                         print(
                             f"[{time.monotonic() - started:6.0f} s] {workload} {key} req/s "
-                            f"{policy:>13}: hit {r['hit_ratio']:.1%} p50/p90/p99 "
+                            f"{policy:>18}: hit {r['hit_ratio']:.1%} p50/p90/p99 "
                             f"{_ms(r['ttft_p50'])}/{_ms(r['ttft_p90'])}/{_ms(r['ttft_p99'])} ms, "
                             f"{r['throughput']:,.0f} tok/s, imbalance {r['imbalance']:.2f}, "
                             f"{r['completed']}/{r['requests']} done in {r['seconds']:.1f} s, "
@@ -952,6 +1073,7 @@ def main() -> int:
             counts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(decisions["decisions"].items()))
             notes[workload] += f" kvpool's decisions at that rate, by reason: {counts}."
     meta = {
+        "name": run.name,
         "date": str(dt.date.today()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "python": platform.python_version(),
@@ -966,7 +1088,7 @@ def main() -> int:
         "notes": notes,
     }
     write_results(out, results, meta)
-    print(f"wrote {out}/routing.{{md,json,png}} in {wall / 60:.1f} min", file=sys.stderr)
+    print(f"wrote {out}/{run.name}.{{md,json,png}} in {wall / 60:.1f} min", file=sys.stderr)
     return 0
 
 

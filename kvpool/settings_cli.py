@@ -14,6 +14,7 @@ import typing
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 S = TypeVar("S", bound=BaseModel)
 
@@ -30,6 +31,26 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(_field_type(annotation)) is list
 
 
+def _default_text(info: FieldInfo) -> str:
+    """What the help says a field falls back to: ``required`` where there is nothing to fall
+    back to, ``none`` for an empty list (the flag not given once), ``unset`` for ``None``."""
+    if info.is_required():
+        return "required"
+    try:
+        default = info.get_default(call_default_factory=True)
+    except TypeError:  # a factory that needs the other fields' values
+        return "computed"
+    if default is None:
+        return "default unset"
+    if isinstance(default, list | tuple | set | dict) and not default:
+        return "default none"
+    if isinstance(default, list | tuple | set):
+        return "default " + " ".join(str(x) for x in default)
+    if default == "":
+        return 'default ""'
+    return f"default {default}"
+
+
 def add_settings_arguments(
     parser: argparse.ArgumentParser,
     model: type[BaseModel],
@@ -42,15 +63,18 @@ def add_settings_arguments(
             continue
         kind = _field_type(info.annotation)
         choices = list(typing.get_args(kind)) if typing.get_origin(kind) is typing.Literal else None
-        default = info.default if info.default not in (None, []) else "unset"
+        parts = [info.description] if info.description else []
+        parts += [f"env {env_prefix}{name.upper()}", _default_text(info)]
+        if _is_list(info.annotation):
+            parts.append("repeat for several")
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             choices=choices,
             action="append" if _is_list(info.annotation) else "store",
             default=argparse.SUPPRESS,
-            help=f"env {env_prefix}{name.upper()}; default {default}"
-            + ("; repeat for several" if _is_list(info.annotation) else ""),
+            # argparse %-formats help texts: a literal % in a description must be doubled
+            help="; ".join(parts).replace("%", "%%"),
         )
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "encode_prompt",
     "load_tokenizer",
     "render_chat",
+    "render_chat_text",
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -57,6 +58,47 @@ def encode_prompt(
     return list(prompt)
 
 
+def render_chat_text(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Any] | None = None,
+    documents: Sequence[Any] | None = None,
+    chat_template: str | None = None,
+) -> str:
+    """A chat rendered through the model's chat template (or ``chat_template``), with the
+    arguments vLLM's OpenAI server gives it. A message's text parts are joined with a
+    newline, as vLLM does for templates that take string content. Raises
+    :class:`ValueError` naming ``messages`` when the template refuses them."""
+    plain = []
+    for m in messages:
+        m = dict(m)
+        if isinstance(m.get("content"), list):  # text parts, joined as the worker sees them
+            m["content"] = "\n".join(
+                part if isinstance(part, str) else part["text"] for part in m["content"]
+            )
+        plain.append(m)
+    extra = dict(chat_template_kwargs or {})
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value is not None:
+            extra[name] = value
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
+    try:
+        return tokenizer.apply_chat_template(
+            plain,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
+    except Exception as exc:  # a template raises whatever Jinja raises
+        raise ValueError(f"messages: the chat template failed: {exc}") from None
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -65,28 +107,24 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     cache: PrefixTokenCache | None = None,
+    add_special_tokens: bool = False,
+    **template: Any,
 ) -> list[int]:
-    """A chat's token ids through the model's chat template. Raises :class:`ValueError`
-    naming ``messages`` when the template refuses them."""
-    plain = []
-    for m in messages:
-        m = dict(m)
-        if isinstance(m.get("content"), list):  # text parts, joined as the worker sees them
-            m["content"] = "".join(part["text"] for part in m["content"])
-        plain.append(m)
-    try:
-        text = tokenizer.apply_chat_template(
-            plain,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # a template raises whatever Jinja raises
-        raise ValueError(f"messages: the chat template failed: {exc}") from None
+    """A chat's token ids through the model's chat template (``template``: ``tools``,
+    ``documents``, ``chat_template``, as :func:`render_chat_text` takes them). The
+    rendered text is encoded without special tokens unless asked (vLLM's default for
+    chat: the template writes them)."""
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs,
+        **template,
+    )
     if cache is not None:
-        return cache.encode(text, add_special_tokens=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        return cache.encode(text, add_special_tokens=add_special_tokens)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 #: texts the cache checks a tokenizer against before it trusts cutting text at a word

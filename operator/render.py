@@ -225,6 +225,8 @@ def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest
         "--block-size", str(engine.block_size),
         "--enable-prefix-caching",
         "--prefix-caching-hash-algo", "sha256_cbor",
+        # usage.prompt_tokens_details.cached_tokens: the router's realised hit ratio
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]

@@ -207,14 +207,19 @@ class BlockIndex:
 
     # ---- speculative entries (routing decisions) ----
 
-    def speculate(self, worker_id: str, hashes: Sequence[int]) -> None:
+    def speculate(self, worker_id: str, hashes: Sequence[int]) -> list[int]:
         """The router just sent this chain to the worker: count it as held until the worker's
-        events confirm it (tracked) or for ``approx_ttl`` (untracked)."""
+        events confirm it (tracked) or for ``approx_ttl`` (untracked).
+
+        Returns the keys this call added (not those already confirmed or already
+        speculative, which are only refreshed): what :meth:`withdraw` takes back if the
+        request never reaches the worker's cache."""
         w = self._get(worker_id)
         now = self._clock()
         self._expire(now)
         expiry = now + w.ttl
         bit, blocks, spec, spec_masks = w.bit, w.blocks, w.spec, self._spec_masks
+        added: list[int] = []
         # Back to front, so the chain's head is the most recently used: like vLLM freeing a
         # request's blocks tail first, eviction then shortens the prefix instead of killing it.
         for h in reversed(hashes):
@@ -224,12 +229,34 @@ class BlockIndex:
                 spec.move_to_end(h)
             else:
                 spec_masks[h] = spec_masks.get(h, 0) | bit
+                added.append(h)
             spec[h] = expiry
         if w.capacity is not None:
             while len(spec) > w.capacity:
                 self._unset_spec_bit(spec.popitem(last=False)[0], bit)
         if expiry < self._next_expiry:
             self._next_expiry = expiry
+        added.reverse()  # in chain order
+        return added
+
+    def withdraw(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """Take back speculative entries of the worker (those :meth:`speculate` returned for
+        a request that failed before the worker computed anything: a 429, a refused
+        connection). Otherwise an untracked worker would keep cache credit it never earned
+        for ``approx_ttl``. Confirmed entries are the worker's own word and stay.
+
+        Not an undo: entries the speculation evicted for capacity stay evicted, and a key
+        that another request to the same worker refreshed meanwhile goes too (its credit is
+        lost early, an underestimate the worker's events or the next routing repair)."""
+        w = self._get(worker_id)
+        spec = w.spec
+        if not spec:
+            return
+        bit = w.bit
+        for h in hashes:
+            if h in spec:
+                del spec[h]
+                self._unset_spec_bit(h, bit)
 
     # ---- queries ----
 

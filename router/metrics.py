@@ -5,7 +5,9 @@ sees. Per-worker state (in flight, queued prefill tokens, indexed blocks, up, ev
 counters) is read from the pool at scrape time, so a removed worker's series go with it.
 The cache hit ratio a dashboard shows is
 ``rate(kvpool_router_cached_prompt_tokens_total[5m])`` over
-``rate(kvpool_router_reported_prompt_tokens_total[5m])``.
+``rate(kvpool_router_reported_prompt_tokens_total[5m])``: every answer counts, streamed or
+not, since the router asks for usage on every stream (and keeps it from clients that did
+not ask for it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .index import BlockIndex
 from .policy import PD_REASONS
 from .pool import WorkerState
 
@@ -45,7 +46,16 @@ OUTCOMES = (
 
 
 #: why ``kvpool_router_retries_total`` sent a request again
-RETRY_REASONS = ("connect", "connection", "timeout", "overloaded", "5xx")
+RETRY_REASONS = (
+    "connect",  # could not connect
+    "connection",  # the connection failed before the answer began
+    "timeout",  # no whole answer before the request timeout
+    "ttft_timeout",  # no first token before the time-to-first-token limit
+    "no_token",  # the stream ended or errored before its first token
+    "down",  # the worker failed its health check while the request waited on it
+    "overloaded",  # 429
+    "5xx",
+)
 
 #: how ``kvpool_router_pd_requests_total`` counts a request's way through the pool
 PD_PATHS = (
@@ -59,9 +69,11 @@ PREFILL_FAILURES = (*RETRY_REASONS, "refused", "no_params")
 
 
 class _PoolCollector(Collector):
-    def __init__(self, workers: Callable[[], list[WorkerState]], index: BlockIndex) -> None:
+    def __init__(
+        self, workers: Callable[[], list[WorkerState]], indexed_blocks: Callable[[str], int]
+    ) -> None:
         self.workers = workers
-        self.index = index
+        self.indexed_blocks = indexed_blocks  # all of a worker's data-parallel ranks
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -125,14 +137,13 @@ class _PoolCollector(Collector):
             ),
         }
         now = time.monotonic()
-        known = set(self.index.workers())
         for s in self.workers():
             w = [s.id]
             families["up"].add_metric(w, 1.0 if s.routable else 0.0)
             families["compatible"].add_metric(w, 1.0 if s.compatible else 0.0)
             families["in_flight"].add_metric(w, s.in_flight)
             families["queued"].add_metric(w, s.queued_tokens(now))
-            families["blocks"].add_metric(w, self.index.num_blocks(s.id) if s.id in known else 0)
+            families["blocks"].add_metric(w, self.indexed_blocks(s.id))
             families["rate"].add_metric(w, s.prefill.rate)
             families["events"].add_metric(w, s.events_seen)
             stats = s.subscriber.stats if s.subscriber is not None else None
@@ -145,7 +156,9 @@ class _PoolCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, workers: Callable[[], list[WorkerState]], index: BlockIndex) -> None:
+    def __init__(
+        self, workers: Callable[[], list[WorkerState]], indexed_blocks: Callable[[str], int]
+    ) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvpool_router_requests",
@@ -238,8 +251,8 @@ class RouterMetrics:
         )
         self.reported_prompt_tokens = Counter(
             "kvpool_router_reported_prompt_tokens",
-            "Prompt tokens of the responses whose usage the workers reported (the "
-            "denominator of the realised hit ratio).",
+            "Prompt tokens of the answers, from their usage (the denominator of the "
+            "realised hit ratio; the router asks for usage on every stream).",
             registry=r,
         )
         self.event_lag = Histogram(
@@ -248,7 +261,7 @@ class RouterMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
-        r.register(_PoolCollector(workers, index))
+        r.register(_PoolCollector(workers, indexed_blocks))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

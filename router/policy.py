@@ -4,7 +4,8 @@ Every piece is small and named, so a decision can be explained worker by worker
 (``/debug/route`` shows the table) and a policy is only a choice of pieces and weights:
 
 * **filters** drop workers that must not get the request (down, draining, wrong role,
-  another model, an open circuit breaker, a decode load far above the pool's);
+  not serving the requested model or LoRA adapter, an open circuit breaker, a decode load
+  far above the pool's);
 * **scorers** each give every remaining worker a number in [0, 1] (1 is best), weighted;
 * the **picker** takes the highest total, breaking ties at random, or ignores the scores
   (round-robin, random) for the cache-blind baselines.
@@ -22,10 +23,20 @@ predicted TTFT is 1.8 times the best); then the prefix spills to a second worker
 caches it too. The decode-load guard keeps any one worker's in-flight requests within 1.5x
 of the pool's mean (+4) whatever the cache says.
 
+Session affinity, when the router is configured with a weight for it, adds a third score:
+1 for the worker the request's conversation was last sent to (``RouteRequest.affinity``,
+from :class:`~kvpool.router.affinity.SessionAffinity`), 0 for the others. A conversation's
+next turn repeats its history, which that worker holds, often before its blocks reach the
+index; the score keeps the conversation there until load says otherwise: it is a score,
+not a filter, so the decode-load guard still drops an overloaded worker and the TTFT score
+still outweighs it when the worker's queue grows (a decision made for affinity against a
+worker holding more of the prompt is labelled ``affinity``, not ``spill``).
+
 The :class:`Planner` puts three such policies together for the prefill/decode split: the
 aggregated choice decides whether a request is split (by the prompt tokens that worker
 would still have to prefill), the same policy over prefill workers picks the prefill leg,
-and a load-first one over decode workers picks the decode leg.
+and a load-first one over decode workers picks the decode leg (keeping the affinity score,
+as a conversation's decode worker is where its cache is).
 """
 
 from __future__ import annotations
@@ -111,6 +122,9 @@ class WorkerView:
     id: str
     role: Role = "both"
     model: str | None = None
+    # Every model id the worker lists in /v1/models: its base model and its LoRA adapters.
+    # Empty: not known, and ``model`` alone decides.
+    models: frozenset[str] = frozenset()
     healthy: bool = True
     draining: bool = False
     breaker_open: bool = False
@@ -129,6 +143,7 @@ class RouteRequest:
     matched_blocks: dict[str, int]  # worker -> leading blocks of the prompt it holds
     model: str | None = None
     roles: tuple[Role, ...] = ("both", "decode")
+    affinity: str | None = None  # the worker this request's session was last sent to
 
     def cached_tokens(self, worker: WorkerView) -> int:
         if not worker.compatible:
@@ -156,7 +171,7 @@ class Candidate:
 @dataclass(slots=True)
 class Decision:
     worker: str | None  # None: no worker can take it
-    reason: str  # a bounded label: prefix, spill, load, single, round-robin, ... no_worker
+    reason: str  # a bounded label: prefix, spill, affinity, load, single, ... no_worker
     policy: str
     candidates: list[Candidate]
     cached_tokens: int = 0
@@ -199,9 +214,25 @@ def _role(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> di
 
 
 def _model(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    """A worker that lists its models (base and LoRA adapters) must list the request's; one
+    that does not is judged by its base model, and one of unknown model may take anything."""
     if req.model is None:
         return {}
-    return {w.id: f"serves {w.model}" for w in workers if w.model not in (None, req.model)}
+    out = {}
+    for w in workers:
+        if w.models:
+            if req.model not in w.models:
+                out[w.id] = f"serves {_some(w.models)}"
+        elif w.model not in (None, req.model):
+            out[w.id] = f"serves {w.model}"
+    return out
+
+
+def _some(names: frozenset[str], shown: int = 3) -> str:
+    """A few of a worker's model ids for an explanation (a worker may list many adapters)."""
+    ordered = sorted(names)
+    more = len(ordered) - shown
+    return ", ".join(ordered[:shown]) + (f" (+{more} more)" if more > 0 else "")
 
 
 def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
@@ -266,12 +297,19 @@ def _queue_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, floa
     return {w.id: 1.0 - w.queued_tokens / (most + 1) for w in workers}
 
 
+def _affinity_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    """1 for the worker the request's session was last sent to: it holds the conversation's
+    cache, even the blocks whose events have not reached the index yet."""
+    return {w.id: 1.0 if w.id == req.affinity else 0.0 for w in workers}
+
+
 SCORERS: dict[str, Scorer] = {
     "ttft": _ttft_score,
     "prefix": _prefix_score,
     "in-flight": _in_flight_score,
     "kv-usage": _kv_usage_score,
     "queue": _queue_score,
+    "affinity": _affinity_score,
 }
 
 
@@ -296,6 +334,9 @@ class PolicyConfig:
                 f"unknown policy pieces {unknown}: filters are {sorted(FILTERS)}, "
                 f"scorers are {sorted(SCORERS)}"
             )
+        names = [s for s, _ in self.scorers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each scorer may appear once, got {names}")
         if any(not (math.isfinite(weight) and weight >= 0) for _, weight in self.scorers):
             raise ValueError("scorer weights must be finite numbers, not negative")
         if self.picker == "max" and not self.scorers:
@@ -420,6 +461,8 @@ class Policy:
             return "load"  # nobody holds any of it: the least busy worker wins
         if cached >= best_anywhere:
             return "prefix"
+        if req.affinity is not None and chosen.id == req.affinity:
+            return "affinity"  # the conversation stayed on its worker over a bigger prefix
         return "spill"  # a worker with more of the prefix was too busy
 
 
@@ -476,12 +519,16 @@ class Plan:
 def decode_policy_config(base: PolicyConfig) -> PolicyConfig:
     """The decode leg's pieces. Its prefill is done elsewhere, so what matters on the decode
     worker is how many sequences it already decodes and how full its cache is (the cache's
-    contents only break ties); a baseline stays itself, so comparisons stay fair."""
+    contents only break ties); a baseline stays itself, so comparisons stay fair. Session
+    affinity keeps its weight: the worker that decoded a conversation's last turn holds the
+    history its next turn repeats."""
     if base.name in BASELINES:
         return base
     from dataclasses import replace
 
-    return replace(base, scorers=(("in-flight", 1.0), ("kv-usage", 0.1), ("prefix", 0.01)))
+    scorers = (("in-flight", 1.0), ("kv-usage", 0.1), ("prefix", 0.01))
+    scorers += tuple((name, w) for name, w in base.scorers if name == "affinity")
+    return replace(base, scorers=scorers)
 
 
 class Planner:

@@ -11,10 +11,18 @@ For each worker the pool keeps what the policy needs at decision time (a
   seed differ from the router's is kept, but scored without cache credit, and reported.
   A worker without ``/kvpool/info`` (vLLM) is taken to share the router's hashing, the way
   an operator deploys them, with its model from ``/v1/models``.
-* **load**: ``GET /metrics`` every ``scrape_interval_s``: KV cache usage and waiting
-  requests, under vLLM's metric names.
+* **models**: ``GET /v1/models`` at registration and every ``models_interval_s``: the base
+  model and the LoRA adapters it serves now (vLLM loads adapters at run time).
+* **load**: ``GET /metrics`` every ``scrape_interval_s``: KV cache usage, waiting requests
+  and the mean time per output token, under vLLM's metric names.
 * **events**: a :class:`~kvpool.kv_events.EventSubscriber` feeding the block index; a
   lost stretch of events clears that worker's entries (never a silently wrong index).
+  A data-parallel worker runs one engine, and one cache, per rank: its batches are indexed
+  apart by rank (index id ``worker`` for rank 0, ``worker@dp<r>`` above), so one engine's
+  eviction never takes away what another still holds.
+
+A worker that goes down takes its in-flight attempts with it: each is told to abort, so a
+request still waiting on a hung worker for its first token is retried elsewhere at once.
 """
 
 from __future__ import annotations
@@ -87,12 +95,19 @@ class Ticket:
     ended: bool = False
 
 
+#: weight of each new time-per-output-token reading in a worker's average
+ITL_WEIGHT = 0.1
+
+
 @dataclass
 class WorkerState:
     endpoint: WorkerEndpoint
     status: str = "registering"  # registering, up, unavailable (503), down
     info: WorkerInfo | None = None
-    model: str | None = None
+    model: str | None = None  # the base model
+    models: frozenset[str] = frozenset()  # every id at /v1/models: base and LoRA adapters
+    cards: list[dict[str, Any]] = field(default_factory=list)  # /v1/models' data, as sent
+    models_at: float | None = None  # when the model list was last read
     compatible: bool = True
     mismatch: str | None = None
     in_flight: int = 0
@@ -102,11 +117,17 @@ class WorkerState:
     waiting: float | None = None
     running: float | None = None
     scraped_at: float | None = None
+    itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
+    itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     subscriber: EventSubscriber | None = None
     events_task: asyncio.Task[None] | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     events_seen: int = 0
+    tracked: bool = False  # publishes KV events
+    dp_ranks: dict[int, str] = field(default_factory=dict)  # rank > 0 -> its index id
+    # the router's attempts in flight here: each has ``abort(reason)``, called when it goes down
+    attempts: set[Any] = field(default_factory=set)
     # counted here, exported by the metrics collector: a removed worker's series go with it
     decisions: Counter[str] = field(default_factory=Counter)  # by reason
     mismatches: int = 0
@@ -146,6 +167,7 @@ class WorkerState:
             kv_usage=self.kv_usage if fresh else None,
             waiting=None if self.waiting is None or not fresh else int(self.waiting),
             prefill=self.prefill,
+            models=self.models,
         )
 
     # -- a request's life on this worker --------------------------------------------------
@@ -179,6 +201,56 @@ class WorkerState:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
         return ttft
 
+    def finish_whole(
+        self, ticket: Ticket, now: float, completion_tokens: int | None
+    ) -> float | None:
+        """Learn from an answer that came back whole (not streamed); returns the TTFT it
+        implies, or None when it implies nothing.
+
+        A whole answer shows no first token, but its time is the prefill's plus its decode:
+        the tokens after the first, each taking the worker's time per output token
+        (:attr:`itl`, learned from streams and from the worker's own histogram). What is
+        left is the TTFT, taught to the prefill model as :meth:`first_token` does, so a
+        pool that streams nothing still learns each worker's prefill rate. An estimate
+        that leaves nothing (a long answer on a worker that decoded faster than usual)
+        teaches nothing."""
+        if ticket.first_token_seen or not ticket.learn or self.itl is None:
+            return None
+        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
+            return None
+        if completion_tokens < 1:
+            return None
+        ttft = (now - ticket.routed_at) - (completion_tokens - 1) * self.itl
+        if not ttft > 0:
+            return None
+        ticket.first_token_seen = True
+        self.queued.pop(id(ticket), None)
+        self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
+        return ttft
+
+    def observe_itl(self, seconds: float) -> None:
+        """One reading of the worker's time per output token: a streamed inter-chunk gap,
+        or the mean over a scrape interval."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        if self.itl is None:
+            self.itl = seconds
+        else:
+            self.itl += ITL_WEIGHT * (seconds - self.itl)
+
+    def set_models(self, cards: list[dict[str, Any]]) -> None:
+        """Take a worker's ``/v1/models`` cards. The base model is kvpool's own word when it
+        has one, else vLLM's base card (the one without a ``parent``), else the first."""
+        self.cards = cards
+        ids = [c["id"] for c in cards]
+        if self.info is not None:
+            self.model = self.info.served_model_name
+            ids.append(self.info.served_model_name)
+        else:
+            base = next((c["id"] for c in cards if c.get("parent") is None), None)
+            self.model = base if base is not None else (ids[0] if ids else None)
+        self.models = frozenset(ids)
+
     def end(self, ticket: Ticket) -> None:
         if not ticket.ended:
             ticket.ended = True
@@ -194,6 +266,7 @@ class PoolConfig:
     health_interval_s: float = 0.5
     health_timeout_s: float = 1.0
     scrape_interval_s: float = 1.0
+    models_interval_s: float = 10.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
 
@@ -218,6 +291,9 @@ class WorkerPool:
         self.client = client
         self.workers: dict[str, WorkerState] = {}
         self._on_event_lag = on_event_lag
+        # index id of a data-parallel rank above 0 -> (worker id, rank); empty for a pool
+        # of single-engine workers, which keeps :meth:`match` to one pass over the index's
+        self._rank_of: dict[str, tuple[str, int]] = {}
         self.changed = asyncio.Event()  # set when a worker becomes routable
 
     # -- membership (from discovery) ------------------------------------------------------
@@ -237,11 +313,15 @@ class WorkerPool:
             self._add(endpoint)
 
     def _add(self, endpoint: WorkerEndpoint) -> None:
+        owner = self._rank_of.get(endpoint.id)
+        if owner is not None:  # a worker named like another's rank: the name is the worker's
+            self._drop_rank(self.workers[owner[0]], owner[1])
         state = WorkerState(endpoint=endpoint)
         state.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
         self.workers[endpoint.id] = state
         state.tasks.append(asyncio.create_task(self._health_loop(state)))
         state.tasks.append(asyncio.create_task(self._scrape_loop(state)))
+        state.tasks.append(asyncio.create_task(self._models_loop(state)))
         log.info("worker %s added: %s (%s)", endpoint.id, endpoint.url, endpoint.role)
 
     def _remove(self, wid: str) -> None:
@@ -249,7 +329,10 @@ class WorkerPool:
         self._stop_events(state)
         for task in state.tasks:
             task.cancel()
-        if wid in self.index.workers():
+        self._abort_attempts(state, "removed")
+        for rank in list(state.dp_ranks):
+            self._drop_rank(state, rank)
+        if wid in self.index:
             self.index.remove_worker(wid)
         log.info("worker %s removed", wid)
 
@@ -282,7 +365,34 @@ class WorkerPool:
         return views
 
     def models(self) -> set[str]:
-        return {s.model for s in self.workers.values() if s.model and s.status == "up"}
+        """Every model id an up worker serves: base models and LoRA adapters."""
+        out: set[str] = set()
+        for s in self.workers.values():
+            if s.status == "up":
+                out |= s.models
+                if s.model:
+                    out.add(s.model)
+        return out
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The up workers' ``/v1/models`` cards, one per id (the first seen), by id, each as
+        its worker sent it (``parent``, ``root``, ``max_model_len`` and all)."""
+        cards: dict[str, dict[str, Any]] = {}
+        for s in self.workers.values():
+            if s.status == "up":
+                for card in s.cards:
+                    cards.setdefault(card["id"], card)
+        return [dict(cards[k]) for k in sorted(cards)]
+
+    def adapters(self) -> set[str]:
+        """LoRA adapters the up workers serve: vLLM lists one with its base as ``parent``."""
+        return {
+            c["id"]
+            for s in self.workers.values()
+            if s.status == "up"
+            for c in s.cards
+            if c.get("parent") is not None and c["parent"] != c["id"]
+        }
 
     def routable(self) -> list[WorkerState]:
         return [s for s in self.workers.values() if s.routable]
@@ -290,16 +400,30 @@ class WorkerPool:
     # -- health and registration ----------------------------------------------------------
 
     def mark_down(self, state: WorkerState, why: str) -> None:
-        """Out of rotation now, and its index entries dropped (its cache went with it)."""
+        """Out of rotation now, its index entries dropped (its cache went with it), and
+        the attempts in flight on it aborted: a hung worker answers them never."""
         if self.workers.get(state.id) is not state:
             return  # removed, or replaced under the same id: that one is not down
         if state.status != "down":
             log.warning("worker %s is down: %s", state.id, why)
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
+        state.itl_totals = None  # a restarted worker counts from zero again
         state.status = "down"
         self._stop_events(state)
-        if state.id in self.index.workers():
+        # Its ranks are seen again when its events start again, maybe fewer of them.
+        for rank in list(state.dp_ranks):
+            self._drop_rank(state, rank)
+        if state.id in self.index:
             self.index.clear_worker(state.id)
+        self._abort_attempts(state, why)
+
+    @staticmethod
+    def _abort_attempts(state: WorkerState, why: str) -> None:
+        for attempt in list(state.attempts):
+            try:
+                attempt.abort(f"worker {state.id} down: {why}")
+            except Exception:  # one attempt's bug must not spare the others
+                log.exception("worker %s: aborting an attempt failed", state.id)
 
     async def _health_loop(self, state: WorkerState) -> None:
         cfg = self.config
@@ -337,15 +461,21 @@ class WorkerPool:
             status, body = await self._get(state.url + "/kvpool/info")
             if status == 404:
                 info = None
-                state.model = await self._served_model(state)
+                cards = await self._model_cards(state)
             else:
                 _raise_for_status("/kvpool/info", status)
                 info = WorkerInfo.model_validate_json(body)
-                state.model = info.served_model_name
+                try:
+                    cards = await self._model_cards(state)
+                except Exception as exc:  # its info names its model; adapters come later
+                    log.warning("worker %s: /v1/models: %s", state.id, exc)
+                    cards = [{"id": info.served_model_name, "object": "model"}]
         except Exception as exc:  # whatever answers there is not a worker we understand
             log.warning("worker %s: registration failed: %s", state.id, exc)
             return
         state.info = info
+        state.set_models(cards)
+        state.models_at = time.monotonic()
         state.mismatch = self._mismatch(info)
         state.compatible = state.mismatch is None
         if state.mismatch:
@@ -354,8 +484,9 @@ class WorkerPool:
             )
             state.mismatches += 1
         events = self._events_endpoints(state)
-        if state.id not in self.index.workers():
-            self.index.add_worker(state.id, tracked=events is not None)
+        state.tracked = events is not None
+        if state.id not in self.index:
+            self.index.add_worker(state.id, tracked=state.tracked)
         if events is not None and state.compatible:
             self._start_events(state, *events)
         state.status = "up"
@@ -367,11 +498,40 @@ class WorkerPool:
             "KV events " + events[0] if events else "no KV events (approximate tracking)",
         )
 
-    async def _served_model(self, state: WorkerState) -> str | None:
+    async def _model_cards(self, state: WorkerState) -> list[dict[str, Any]]:
+        """The worker's ``/v1/models`` cards; one without a string id is left out."""
         status, body = await self._get(state.url + "/v1/models")
         _raise_for_status("/v1/models", status)
         data = json.loads(body).get("data") or []
-        return data[0]["id"] if data else None
+        if not isinstance(data, list):
+            raise ValueError("/v1/models: data is not a list")
+        return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+
+    async def _models_loop(self, state: WorkerState) -> None:
+        """Adapters come and go at run time (vLLM's ``/v1/load_lora_adapter``): read the
+        list again now and then; a failed read keeps the last one."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.models_interval_s)
+            if state.status != "up":
+                continue  # registration reads it when the worker is back
+            try:
+                cards = await self._model_cards(state)
+            except Exception as exc:
+                log.debug("worker %s: /v1/models: %s", state.id, exc)
+                continue
+            if state.status != "up":
+                continue  # went down meanwhile: registration reads it again
+            before = state.models
+            state.set_models(cards)
+            state.models_at = time.monotonic()
+            if state.models != before:
+                log.info(
+                    "worker %s serves %s (was %s)",
+                    state.id,
+                    sorted(state.models),
+                    sorted(before),
+                )
 
     def _mismatch(self, info: WorkerInfo | None) -> str | None:
         cfg = self.config
@@ -433,18 +593,21 @@ class WorkerPool:
                 if state.subscriber is not sub:
                     return
                 if isinstance(item, Received):
-                    self.index.apply(state.id, item.batch)
+                    rank = item.batch.data_parallel_rank
+                    # vLLM's single engine says rank 0, others may say None: one cache.
+                    iid = state.id if not rank or rank < 0 else self._rank_id(state, rank)
+                    self.index.apply(iid, item.batch)
                     state.events_seen += len(item.batch.events)
                     # A replayed batch is late by design: its lag says nothing.
                     if self._on_event_lag and item.batch.ts > 0 and not item.replayed:
                         self._on_event_lag(time.time() - item.batch.ts)
                 else:  # events were lost: what the index says of this worker may be wrong
-                    self.index.clear_worker(state.id)
+                    self._clear_index(state)
         except asyncio.CancelledError:
             raise
         except Exception:  # the stream is lost, not the router: start it again
             log.exception("worker %s: KV event stream failed; restarting it", state.id)
-            self.index.clear_worker(state.id)
+            self._clear_index(state)
             await asyncio.sleep(1.0)
             if state.subscriber is sub and state.status == "up":
                 state.subscriber = state.events_task = None  # this task ends here
@@ -471,6 +634,114 @@ class WorkerPool:
             state.waiting = values.get("vllm:num_requests_waiting")
             state.running = values.get("vllm:num_requests_running")
             state.scraped_at = time.monotonic()
+            self._learn_itl(state, values)
+
+    @staticmethod
+    def _learn_itl(state: WorkerState, values: dict[str, float]) -> None:
+        """The mean time per output token since the last scrape, from the growth of the
+        worker's ITL histogram; a counter that fell means the worker started again."""
+        total = values.get(ITL_SUM)
+        count = values.get(ITL_COUNT)
+        if total is None or count is None:
+            return
+        last, state.itl_totals = state.itl_totals, (total, count)
+        if last is None:
+            return
+        d_sum, d_count = total - last[0], count - last[1]
+        if d_count > 0 and d_sum >= 0:
+            state.observe_itl(d_sum / d_count)
+
+    # -- the index, by data-parallel rank ---------------------------------------------------
+
+    def _rank_id(self, state: WorkerState, rank: int) -> str:
+        """The index id of a worker's rank above 0, registered the first time it is seen."""
+        iid = state.dp_ranks.get(rank)
+        if iid is not None:
+            return iid
+        iid = f"{state.id}@dp{rank}"
+        if iid in self.workers or iid in self.index:  # a worker is named so: share rank 0's
+            log.warning("worker %s: rank %d's index id %s is taken", state.id, rank, iid)
+            return state.id
+        self.index.add_worker(iid, tracked=state.tracked)
+        state.dp_ranks[rank] = iid
+        self._rank_of[iid] = (state.id, rank)
+        return iid
+
+    def _drop_rank(self, state: WorkerState, rank: int) -> None:
+        iid = state.dp_ranks.pop(rank)
+        del self._rank_of[iid]
+        if iid in self.index:
+            self.index.remove_worker(iid)
+
+    def _index_ids(self, state: WorkerState) -> list[str]:
+        ids = [state.id] if state.id in self.index else []
+        return [*ids, *state.dp_ranks.values()]
+
+    def _clear_index(self, state: WorkerState) -> None:
+        for iid in self._index_ids(state):
+            self.index.clear_worker(iid)
+
+    def clear_worker(self, worker_id: str) -> None:
+        """Drop every index entry of a worker, all its ranks'; unknown worker: nothing."""
+        state = self.workers.get(worker_id)
+        if state is not None:
+            self._clear_index(state)
+
+    def indexed_blocks(self, worker_id: str) -> int:
+        """Confirmed blocks indexed for the worker, all its ranks together."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return 0
+        return sum(self.index.num_blocks(iid) for iid in self._index_ids(state))
+
+    def ranks(self, worker_id: str) -> list[int]:
+        """The data-parallel ranks indexed for the worker (0 stands for its plain id)."""
+        state = self.workers.get(worker_id)
+        if state is None:
+            return []
+        return [0] * (worker_id in self.index) + sorted(state.dp_ranks)
+
+    def match(self, keys: list[int]) -> dict[str, tuple[int, int | None]]:
+        """Per worker holding the prompt's first block: the leading blocks held by its rank
+        that holds the most, and that rank (None for rank 0, the worker's plain id; a tie
+        goes to the lower rank)."""
+        raw = self.index.match(keys)
+        rank_of = self._rank_of
+        if not rank_of:
+            return {wid: (n, None) for wid, n in raw.items()}
+        out: dict[str, tuple[int, int | None]] = {}
+        for iid, n in raw.items():
+            owner = rank_of.get(iid)
+            wid, rank = (iid, None) if owner is None else owner
+            best = out.get(wid)
+            if best is None or n > best[0] or (n == best[0] and (rank or 0) < (best[1] or 0)):
+                out[wid] = (n, rank)
+        return out
+
+    def _speculation_id(self, worker_id: str, rank: int | None, register: bool) -> str | None:
+        if not rank or rank < 0:
+            return worker_id if worker_id in self.index else None
+        state = self.workers.get(worker_id)
+        if state is None or worker_id not in self.index:
+            return None
+        iid = state.dp_ranks.get(rank)
+        if iid is None and register:
+            iid = self._rank_id(state, rank)
+        return iid
+
+    def speculate(self, worker_id: str, keys: list[int], rank: int | None = None) -> list[int]:
+        """Count the chain as held by the worker (its ``rank``, when the router chose one)
+        from now: see :meth:`BlockIndex.speculate`. Returns the keys added, for
+        :meth:`withdraw`; a worker gone meanwhile: nothing."""
+        iid = self._speculation_id(worker_id, rank, register=True)
+        return [] if iid is None else self.index.speculate(iid, keys)
+
+    def withdraw(self, worker_id: str, keys: list[int], rank: int | None = None) -> None:
+        """Take back what :meth:`speculate` added for an attempt that never reached the
+        worker's cache; a worker gone meanwhile: nothing to take back."""
+        iid = self._speculation_id(worker_id, rank, register=False)
+        if iid is not None:
+            self.index.withdraw(iid, keys)
 
 
 def _raise_for_status(path: str, status: int) -> None:
@@ -483,14 +754,26 @@ LOAD_METRICS = (
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",
 )
+ITL_HISTOGRAM = "vllm:inter_token_latency_seconds"
+ITL_SUM, ITL_COUNT = ITL_HISTOGRAM + "_sum", ITL_HISTOGRAM + "_count"
 
 
 def parse_load(text: str) -> dict[str, float]:
     """The load gauges of a worker's Prometheus text, summed over label sets (a worker
     serves one model, but a data-parallel vLLM reports one series per engine); the KV
-    usage is the highest engine's."""
+    usage is the highest engine's. Also the inter-token latency histogram's ``_sum`` and
+    ``_count``, summed over label sets: their growth between two scrapes gives the mean
+    time per output token meanwhile."""
     out: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
+        if family.name == ITL_HISTOGRAM:
+            for name in (ITL_SUM, ITL_COUNT):
+                values = [
+                    s.value for s in family.samples if s.name == name and math.isfinite(s.value)
+                ]
+                if values:
+                    out[name] = sum(values)
+            continue
         if family.name not in LOAD_METRICS:
             continue
         # A NaN or an infinity says nothing about load: such samples are left out.

@@ -1,11 +1,18 @@
 """The router's HTTP face: an OpenAI-compatible gateway in front of the workers.
 
-Per request: validate the body (the same models as the workers, so the same 400s),
-tokenize and hash the prompt, look the chain up in the block index, let the policy pick a
-worker, claim the worker's load, and proxy. A connection error, a 5xx or a 429 before the
-first byte reaches the client sends the request to another worker (bounded attempts, with
-backoff); once a stream has begun, a worker failure ends it with an SSE error event and
-``[DONE]``, never a hang. The body the client sent is forwarded as it is.
+Per request: read what routing needs from the body (:mod:`.request`; the body itself is
+forwarded unchanged, refusing a feature is the worker's job), tokenize and hash the
+prompt, look the chain up in the block index, let the policy pick a worker, claim the
+worker's load, and proxy.
+
+A failure before the first token is invisible to the client. Nothing is sent to the
+client before the worker's first output event (or its whole answer, when not streamed):
+a connection error, a 5xx or a 429, a reset, a stream that ends or errors with no output,
+no output before the time-to-first-token limit, or the worker failing its health check
+meanwhile sends the request to another worker (bounded attempts, with backoff). Once
+output has reached the client, a worker failure, or a stream silent for longer than the
+idle timeout, ends it with an SSE error event and ``[DONE]``, never a hang. A client that
+leaves at any moment cancels the worker's request and releases what was counted for it.
 
 A request the planner splits goes first to a prefill worker (``max_tokens: 1``, not
 streamed, ``kv_transfer_params.do_remote_decode``), whose answer's ``kv_transfer_params``
@@ -25,33 +32,32 @@ import math
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from kvpool import __version__
 from kvpool.hashing import BlockHasher
-from kvpool.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    exception_handlers,
-    parse_request,
-)
-from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat
+from kvpool.openai_api import OpenAIError, exception_handlers
+from kvpool.tokenization import PrefixTokenCache, load_tokenizer, render_chat_text
 
+from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
 from .metrics import RouterMetrics
+from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest
 from .pool import Ticket, WorkerPool, WorkerState
+from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
+from .sse import SSEWatch
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,19 @@ log = logging.getLogger(__name__)
 INLINE_PROMPT_SIZE = 4000
 #: response headers passed back from the worker
 PASSED_HEADERS = ("content-type", "retry-after")
+#: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
+MAX_REQUEST_ID = 256
+#: vLLM's header that sends a request to one data-parallel rank of a pod
+DP_RANK_HEADER = "X-data-parallel-rank"
+#: the endpoints routed by the prompt, by path
+GENERATE_PATHS: dict[str, Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
+WORKER_PATHS: dict[Kind, str] = {kind: path for path, kind in GENERATE_PATHS.items()}
+#: the endpoints passed to a healthy worker of the model as they are
+PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -67,13 +86,20 @@ class Routed:
     """A request, tokenized and hashed, ready for the policy."""
 
     request_id: str
-    path: str  # the worker's endpoint: completions or chat completions
-    body: bytes
+    path: str  # the worker's endpoint
+    body: bytes  # what the workers get: the client's, but for the router's bookkeeping
     model: str | None
     stream: bool
     num_tokens: int
     keys: list[int]
     splittable: bool = True  # one prompt: the prefill/decode hand-off carries one
+    #: the router asked for usage on the stream: the usage chunk is not passed on
+    strip_usage: bool = False
+    session: str | None = None
+    #: why the prompt has less cache credit than tokens (content it cannot tokenize)
+    credit_note: str | None = None
+    #: worker -> the data-parallel rank holding its match, from the last lookup
+    ranks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,12 +115,41 @@ class _DecodeLeg:
 
 
 class _Failed(Exception):
-    """A worker failed this attempt before any byte reached the client."""
+    """A worker failed this attempt before any byte reached the client. The message is
+    for the client: it names no worker address (the log has the details)."""
 
     def __init__(self, reason: str, message: str, status: int = 502) -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
+
+
+class _Attempt:
+    """One try of a request on one worker, until its answer starts reaching the client.
+    The pool aborts it when the worker is marked down (its health check failed): the
+    request's task is cancelled, and the attempt fails over to another worker."""
+
+    __slots__ = ("aborted", "committed", "task")
+
+    def __init__(self) -> None:
+        self.task = asyncio.current_task()
+        self.aborted: str | None = None
+        self.committed = False
+
+    def abort(self, reason: str) -> None:
+        if self.committed or self.aborted is not None or self.task is None:
+            return
+        if asyncio.current_task() is self.task:
+            return  # the attempt itself found the worker down: it is failing already
+        self.aborted = reason
+        self.task.cancel()
+
+    def failure(self) -> _Failed | None:
+        """After a cancellation: the failure it stands for if the pool aborted this attempt
+        and nobody else cancelled the task, else None (the cancellation goes on)."""
+        if self.aborted is None or self.task is None or self.task.uncancel() > 0:
+            return None
+        return _Failed("down", "the worker stopped answering")
 
 
 class Router:
@@ -108,6 +163,7 @@ class Router:
             approx_ttl=s.approx_ttl_s,
             approx_capacity_blocks=s.approx_capacity_blocks,
         )
+        self.sessions = SessionAffinity(s.session_capacity, s.session_ttl_s)
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
@@ -141,7 +197,8 @@ class Router:
         self.pool = WorkerPool(
             s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
         )
-        self.metrics = RouterMetrics(lambda: list(self._pool().workers.values()), self.index)
+        pool = self.pool
+        self.metrics = RouterMetrics(lambda: list(pool.workers.values()), pool.indexed_blocks)
         if s.discovery == "kubernetes":
             from .discovery import KubernetesDiscovery
 
@@ -207,16 +264,28 @@ class Router:
             yield
             await self.shutdown()
 
+        handlers = exception_handlers(log)
+
+        async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+            # The client hung up while sending its body: nobody reads an answer, and it is
+            # no fault of the router's (no traceback, no 500).
+            log.info("%s %s: the client left while sending", request.method, request.url.path)
+            return Response(status_code=499)
+
+        handlers[ClientDisconnect] = client_gone
         app = FastAPI(
             title="kvpool router",
             version=__version__,
             lifespan=lifespan,
-            exception_handlers=exception_handlers(log),
+            exception_handlers=handlers,
         )
         app.state.router = self
+        app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
 
-        app.add_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        for path, kind in GENERATE_PATHS.items():
+            app.add_route(path, self._generate_endpoint(kind), methods=["POST"])
+        for path in PASSTHROUGH_PATHS:
+            app.add_route(path, self.passthrough, methods=["POST"])
         app.add_route("/v1/models", self.models, methods=["GET"])
         app.add_route("/health", self.health, methods=["GET"])
         app.add_route("/metrics", self.metrics_endpoint, methods=["GET"])
@@ -224,6 +293,13 @@ class Router:
         app.add_route("/debug/workers", self.debug_workers, methods=["GET"])
         app.add_route("/debug/index", self.debug_index, methods=["GET"])
         return app
+
+    def _generate_endpoint(self, kind: Kind) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await self._generate(request, kind)
+
+        endpoint.__name__ = f"{kind}_endpoint"
+        return endpoint
 
     # -- small endpoints ------------------------------------------------------------------
 
@@ -235,20 +311,17 @@ class Router:
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def models(self, request: Request) -> JSONResponse:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "kvpool"}
-            for m in sorted(self._pool().models())
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        """Every model and LoRA adapter some worker in rotation lists, as it lists them."""
+        return JSONResponse({"object": "list", "data": self._pool().model_cards()})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self._metrics().render(), media_type="text/plain; version=0.0.4")
 
     async def debug_workers(self, request: Request) -> JSONResponse:
         now = time.monotonic()
-        known = set(self.index.workers())
+        pool = self._pool()
         rows = []
-        for s in self._pool().workers.values():
+        for s in pool.workers.values():
             rows.append(
                 {
                     "id": s.id,
@@ -257,19 +330,22 @@ class Router:
                     "status": s.status,
                     "draining": s.endpoint.draining,
                     "model": s.model,
+                    "models": sorted(s.models),
                     "compatible": s.compatible,
                     "mismatch": s.mismatch,
                     "in_flight": s.in_flight,
                     "queued_prefill_tokens": s.queued_tokens(now),
                     "prefill_rate_tokens_per_s": round(s.prefill.rate, 1),
                     "prefill_overhead_s": round(s.prefill.overhead, 4),
+                    "itl_s": s.itl,
                     "kv_usage": s.kv_usage,
                     "waiting": s.waiting,
                     "running": s.running,
                     "circuit_open": s.breaker.is_open(now),
                     "kv_events": s.subscriber.endpoint if s.subscriber else None,
                     "events_seen": s.events_seen,
-                    "indexed_blocks": self.index.num_blocks(s.id) if s.id in known else 0,
+                    "indexed_blocks": pool.indexed_blocks(s.id),
+                    "data_parallel_ranks": pool.ranks(s.id),
                 }
             )
         return JSONResponse({"workers": rows})
@@ -278,27 +354,31 @@ class Router:
         return JSONResponse(self.index.summary())
 
     async def debug_route(self, request: Request) -> JSONResponse:
-        """A dry run: what the policy would do with this body (a completion or a chat
-        request), every worker's line included. Nothing is claimed or sent."""
+        """A dry run: what the policy would do with this body (a completion, a chat or a
+        Responses request), every worker's line included. Nothing is claimed or sent."""
         body = await self._body(request)
-        try:
-            is_chat = "messages" in json.loads(body)
-        except (ValueError, TypeError):
-            is_chat = False  # parse_request names what is wrong with it
-        kind = "chat" if is_chat else "completion"
+        obj = parse_body(body)
+        kind: Kind = (
+            "chat" if "messages" in obj else "responses" if "input" in obj else "completion"
+        )
         routed = await self._parse(request, body, kind, check_model=False)
         plan = self._plan(routed, dry_run=True)
         decision = plan.decode
         prefill = plan.prefill
+        reason = decision.reason
+        if routed.credit_note:
+            reason += f"; {routed.credit_note}"
         return JSONResponse(
             {
                 "worker": decision.worker,
-                "reason": decision.reason,
+                "reason": reason,
                 "policy": decision.policy,
                 "num_tokens": routed.num_tokens,
                 "num_blocks": len(routed.keys),
                 "cached_tokens": decision.cached_tokens,
                 "predicted_ttft_s": decision.predicted_ttft_s,
+                "data_parallel_rank": routed.ranks.get(decision.worker or ""),
+                "session": routed.session,
                 "candidates": [asdict(c) for c in decision.candidates],
                 # the prefill/decode split: path, why, and the prefill leg's own decision
                 "path": plan.path,
@@ -313,19 +393,62 @@ class Router:
                     "predicted_ttft_s": prefill.predicted_ttft_s,
                     "candidates": [asdict(c) for c in prefill.candidates],
                 },
-                "explanation": plan.explain(),
+                "explanation": plan.explain()
+                + (f" ({routed.credit_note})" if routed.credit_note else ""),
             }
+        )
+
+    async def passthrough(self, request: Request) -> Response:
+        """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy
+        worker of the model, as they are; another worker if that one cannot be reached."""
+        body = await self._body(request)
+        obj = parse_body(body)
+        model = obj.get("model")
+        model = model if isinstance(model, str) and model != self.settings.model else None
+        self._check_model(model)
+        pool = self._pool()
+        now = time.monotonic()
+        candidates = sorted(
+            (
+                s
+                for s in pool.routable()
+                if not s.breaker.is_open(now)
+                and (model is None or model in s.models or s.model == model)
+            ),
+            key=lambda s: s.in_flight,
+        )[: self.settings.max_attempts]
+        headers = {"content-type": "application/json", "x-request-id": self._request_id(request)}
+        assert self.upstream is not None
+        failures = []
+        for state in candidates:
+            try:
+                async with self.upstream.post(
+                    state.url + request.url.path,
+                    data=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.request_timeout_s),
+                ) as resp:
+                    content = await resp.read()
+                    if resp.status >= 500:
+                        failures.append(f"{resp.status}")
+                        continue
+                    passed = {k: v for k in PASSED_HEADERS if (v := resp.headers.get(k))}
+                    return Response(content, status_code=resp.status, headers=passed)
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning("%s on worker %s failed: %r", request.url.path, state.id, exc)
+                failures.append(type(exc).__name__)
+        raise OpenAIError(
+            503 if not failures else 502,
+            "no worker can take this request now"
+            + (f" ({len(failures)} tried: {', '.join(failures)})" if failures else ""),
+            type="service_unavailable" if not failures else "server_error",
+            code="no_worker" if not failures else "worker_unavailable",
+            headers={"Retry-After": "1"},
         )
 
     # -- generation -----------------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
-
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def _generate(self, request: Request, kind: Kind) -> Response:
         arrival = time.monotonic()
         metrics = self._metrics()
         if self.draining:
@@ -351,13 +474,16 @@ class Router:
             except OpenAIError:
                 metrics.requests.labels("client_error").inc()
                 raise
-            deadline = arrival + self.settings.request_timeout_s
-            if routed.stream:  # a stream's relay sees the client leave as it writes
-                response = await self._proxy(routed, arrival, deadline)
-            else:
-                response = await self._unless_client_leaves(
-                    request, self._proxy(routed, arrival, deadline)
-                )
+            except ClientDisconnect:
+                metrics.requests.labels("cancelled").inc()
+                raise
+            s = self.settings
+            # A stream's time limit is on its first token (then on silence between chunks);
+            # a whole answer's on all of it.
+            limit = s.first_token_timeout_s if routed.stream else s.request_timeout_s
+            response = await self._unless_client_leaves(
+                request, self._proxy(routed, arrival, arrival + limit)
+            )
             handed_over = isinstance(response, _RelayResponse)
             return response
         finally:
@@ -367,9 +493,9 @@ class Router:
     async def _unless_client_leaves(
         self, request: Request, work: Coroutine[Any, Any, Response]
     ) -> Response:
-        """Run ``work`` (a whole answer being awaited) but give up when the client hangs up:
-        the worker's connection is closed, which makes it abort the request and free its
-        blocks, instead of computing an answer nobody will read."""
+        """Run ``work`` (a request on its way to an answer) but give up when the client
+        hangs up, before the worker's headers too: the worker's connection is closed, which
+        makes it abort the request and free its blocks."""
         async with _until_client_leaves(request.receive):
             return await work
         self._metrics().requests.labels("cancelled").inc()
@@ -394,90 +520,159 @@ class Router:
             )
         return bytes(body)
 
+    def _request_id(self, request: Request) -> str:
+        """The client's ``X-Request-Id`` (passed to the worker, logged), checked here: a
+        header the worker's HTTP server would refuse must be the client's error, not a
+        worker failure."""
+        rid = request.headers.get("x-request-id")
+        if rid is None or rid == "":
+            return uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID or not rid.isascii() or not rid.isprintable():
+            raise OpenAIError(
+                400,
+                f"x-request-id: must be at most {MAX_REQUEST_ID} printable ASCII characters "
+                f"(got {len(rid)} characters)",
+                code="invalid_request_id",
+                param="x-request-id",
+            )
+        return rid
+
+    def _check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        served = self._pool().models() | {self.model_name}
+        if model not in served:
+            raise OpenAIError(
+                404,
+                f"the model {model!r} does not exist here; served: {sorted(served)}",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            )
+
     async def _parse(
-        self, request: Request, body: bytes, kind: str, *, check_model: bool
+        self, request: Request, body: bytes, kind: Kind, *, check_model: bool
     ) -> Routed:
-        model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        req = parse_request(model_cls, body)
-        bad = req.unsupported()
-        if bad is not None:
-            raise OpenAIError(400, f"{bad[0]}: {bad[1]}", code="unsupported", param=bad[0])
-        if req.kv_transfer_params is not None:
+        request_id = self._request_id(request)
+        obj = parse_body(body)
+        fields = read_fields(obj, kind)
+        if fields.kv_transfer_params:
             raise OpenAIError(
                 400,
                 "kv_transfer_params: set by the router for the prefill/decode hand-off, "
                 "not by clients",
                 param="kv_transfer_params",
             )
-        if check_model and req.model is not None:
-            served = self._pool().models() | {self.model_name}
-            if req.model not in served and req.model != self.settings.model:
-                raise OpenAIError(
-                    404,
-                    f"the model {req.model!r} does not exist here; served: {sorted(served)}",
-                    type="not_found_error",
-                    code="model_not_found",
-                    param="model",
-                )
-        tokens, keys = await self._tokens_and_keys(req)
+        model = fields.model if fields.model != self.settings.model else None
+        if check_model:
+            self._check_model(model)
+        adapter = model if model is not None and model in self._pool().adapters() else None
+        num_tokens, keys, note = await self._tokens_and_keys(fields, adapter)
+        strip_usage = False
+        if fields.stream and not fields.include_usage and kind != "responses":
+            # The bookkeeping exception: every stream's usage counts in the realised hit
+            # ratio, so the router asks for it, and keeps it from a client that did not.
+            options = dict(obj.get("stream_options") or {})
+            options["include_usage"] = True
+            options.pop("continuous_usage_stats", None)
+            obj["stream_options"] = options
+            body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            strip_usage = True
+        session = request.headers.get(self.settings.session_header) or fields.user
         return Routed(
-            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-            path="/v1/chat/completions" if kind == "chat" else "/v1/completions",
+            request_id=request_id,
+            path=WORKER_PATHS[kind],
             body=body,
-            model=req.model,
-            stream=bool(req.stream),
-            num_tokens=len(tokens),
+            model=model,
+            stream=fields.stream,
+            num_tokens=num_tokens,
             keys=keys,
-            splittable=isinstance(req, ChatCompletionRequest) or len(req.prompts()) == 1,
+            splittable=kind == "chat" or (kind == "completion" and len(fields.prompts) == 1),
+            strip_usage=strip_usage,
+            session=session or None,
+            credit_note=note,
         )
 
     async def _tokens_and_keys(
-        self, req: CompletionRequest | ChatCompletionRequest
-    ) -> tuple[list[int], list[int]]:
-        """The prompt's token ids and block keys. A chat (its template rendered) and a long
-        prompt are done in a thread: hashing alone takes ~0.3 ms per 1000 tokens, which
-        would stall every stream the router relays."""
-        if isinstance(req, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        self, fields: RoutingFields, adapter: str | None
+    ) -> tuple[int, list[int], str | None]:
+        """The prompt's token count, its block keys and why they cover less than all of it.
+        A chat (its template rendered) and a long prompt are done in a thread: hashing
+        alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed."""
+        cache = self.token_cache
+        tokenizer = self.tokenizer
 
-            def tokenize() -> list[int]:
-                try:
-                    return render_chat(
-                        self.tokenizer,
-                        messages,
-                        add_generation_prompt=req.add_generation_prompt,
-                        continue_final_message=req.continue_final_message,
-                        chat_template_kwargs=req.chat_template_kwargs,
-                        cache=self.token_cache,
-                    )
-                except ValueError as exc:
-                    raise OpenAIError(400, str(exc), param="messages") from None
+        def encode(text: str, special: bool) -> list[int]:
+            if cache is not None:
+                return cache.encode(text, add_special_tokens=special)
+            return list(tokenizer.encode(text, add_special_tokens=special))
 
-            inline = False
-        else:
-            prompts = req.prompts()
-            if not prompts:
-                raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-            # A batch of prompts goes to one worker: it is routed by its first prompt.
-            first = prompts[0]
+        def truncated(tokens: list[int]) -> list[int]:
+            truncate = fields.truncate_prompt_tokens
+            if truncate is not None and truncate > 0:
+                return tokens[-truncate:]  # vLLM keeps the prompt's last tokens
+            return tokens
 
-            def tokenize() -> list[int]:
-                return encode_prompt(self.tokenizer, first, self.token_cache)
+        def keys_of(tokens: list[int]) -> list[int]:
+            return self.hasher.prompt_keys(tokens, lora_name=adapter, cache_salt=fields.cache_salt)
 
-            inline = len(first) <= INLINE_PROMPT_SIZE
+        if fields.kind == "completion":
+            if not fields.prompts:
+                return 0, [], "prompt embeddings: no tokens to match"
+            first = fields.prompts[0]  # a batch of prompts goes to one worker, routed by it
 
-        def tokens_and_keys() -> tuple[list[int], list[int]]:
-            tokens = tokenize()
-            return tokens, self.hasher.prompt_keys(tokens, cache_salt=req.cache_salt)
+            def work() -> tuple[int, list[int], str | None]:
+                tokens = (
+                    encode(first, fields.add_special_tokens) if isinstance(first, str) else first
+                )
+                tokens = truncated(tokens)
+                return len(tokens), keys_of(tokens), None
 
-        return tokens_and_keys() if inline else await asyncio.to_thread(tokens_and_keys)
+            return work() if len(first) <= INLINE_PROMPT_SIZE else await asyncio.to_thread(work)
+
+        def chat() -> tuple[int, list[int], str | None]:
+            kwargs = dict(fields.template_kwargs)
+            try:
+                text = render_chat_text(
+                    tokenizer,
+                    fields.messages,
+                    add_generation_prompt=kwargs.pop("add_generation_prompt"),
+                    continue_final_message=kwargs.pop("continue_final_message"),
+                    tools=kwargs.pop("tools", None),
+                    documents=kwargs.pop("documents", None),
+                    chat_template=kwargs.pop("chat_template", None),
+                    chat_template_kwargs=kwargs,
+                )
+            except ValueError as exc:  # the worker says what is wrong; no credit meanwhile
+                return 0, [], f"no cache credit: {exc}"
+            special = fields.add_special_tokens
+            if fields.media is None:
+                tokens = truncated(encode(text, special))
+                return len(tokens), keys_of(tokens), None
+            cut = text.find(MEDIA_SENTINEL)
+            whole = encode(text.replace(MEDIA_SENTINEL, ""), special)
+            # The last token before the part may merge with what stands there for it.
+            head = encode(text[:cut], special)[:-1] if cut > 0 else []
+            note = (
+                f"cache credit only for the {len(head)} tokens before the first {fields.media} part"
+            )
+            return (
+                len(whole),
+                self.hasher.prompt_keys(head, lora_name=adapter, cache_salt=fields.cache_salt),
+                note,
+            )
+
+        return await asyncio.to_thread(chat)
 
     def _route_request(self, routed: Routed) -> RouteRequest:
+        matched = self._pool().match(routed.keys)
+        routed.ranks = {w: r for w, (_, r) in matched.items() if r is not None}
         return RouteRequest(
             num_tokens=routed.num_tokens,
             block_size=self.settings.block_size,
-            matched_blocks=self.index.match(routed.keys),
-            model=routed.model if routed.model != self.settings.model else None,
+            matched_blocks={w: blocks for w, (blocks, _) in matched.items()},
+            model=routed.model,
+            affinity=self.sessions.get(routed.session) if routed.session else None,
         )
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
@@ -539,21 +734,23 @@ class Router:
         count_hit: bool = False,
     ) -> Response:
         """Send the request (whole, or a split's decode leg) to the worker of ``first`` or,
-        failing that, to others in turn, and answer the client with what one of them says."""
+        failing that, to others in turn, and answer the client with what one of them says.
+        ``deadline``: no attempt starts after it, and none waits past it for its first
+        token (a stream) or its answer."""
         s = self.settings
         metrics = self._metrics()
         pool = self._pool()
         tried: set[str] = set()
         failures: list[str] = []
-        suspects: list[WorkerState] = []  # answered 5xx: charged once another worker answers
+        suspects: list[WorkerState] = []  # failed in a way the request may have caused
         last: _Failed | None = None
         headers = {"x-kvpool-prefill-worker": leg.prefill.id} if leg is not None else {}
-        for attempt in range(s.max_attempts):
-            if attempt:
-                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
+        for attempt_no in range(s.max_attempts):
+            if attempt_no:
+                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt_no - 1), 1.0))
                 if time.monotonic() >= deadline:
                     break  # the request's time is spent: no other worker gets it
-            if attempt == 0 and first is not None:
+            if attempt_no == 0 and first is not None:
                 decision = first
             else:
                 t0 = time.perf_counter()
@@ -565,11 +762,12 @@ class Router:
                 metrics.retries.labels(last.reason).inc()
             state = pool.workers[decision.worker]
             state.decisions[decision.reason] += 1
-            if attempt == 0 and (first is not None or count_hit) and leg is None:
+            if attempt_no == 0 and (first is not None or count_hit) and leg is None:
                 metrics.predicted_hit_tokens.inc(decision.cached_tokens)
             if decision is not first and log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: %s", routed.request_id, decision.explain())
-            self.index.speculate(state.id, routed.keys)
+            rank = routed.ranks.get(state.id)
+            speculated = pool.speculate(state.id, routed.keys, rank)
             now = time.monotonic()
             if leg is None:
                 ticket = state.begin(
@@ -581,35 +779,57 @@ class Router:
                 ticket = state.begin(leg.tail_tokens, 0.0, now, learn=False)
             state.breaker.on_attempt(now)
             tried.add(state.id)
+            attempt = _Attempt()
+            state.attempts.add(attempt)
             try:
+                extra = {DP_RANK_HEADER: str(rank)} if rank is not None else None
                 resp = await self._send(
-                    state, routed, deadline, body=leg.body if leg is not None else None
+                    state,
+                    routed,
+                    deadline,
+                    body=leg.body if leg is not None else None,
+                    headers=extra,
                 )
                 if leg is not None:
                     leg.sent = True
-                # Another worker answered: the 5xx before it were those workers' fault.
-                for suspect in suspects:
-                    suspect.breaker.on_failure(time.monotonic())
-                suspects.clear()
-                return await self._respond(
+                response = await self._respond(
                     state,
                     ticket,
                     routed,
                     resp,
                     arrival,
                     deadline,
+                    attempt,
                     headers=headers,
                     count_usage=leg is None,
                 )
-            except _Failed as exc:
-                state.end(ticket)
-                last = exc
-                failures.append(f"{state.id}: {exc}")
-                if exc.reason == "5xx":
-                    suspects.append(state)
-            except BaseException:  # cancelled (the client left, shutdown) or a bug
+            except asyncio.CancelledError:
+                failure = attempt.failure()
+                if failure is None:  # the client left, shutdown, or a bug: not retried
+                    state.end(ticket)
+                    raise
+                exc = failure
+            except _Failed as failed:
+                exc = failed
+            except BaseException:
                 state.end(ticket)
                 raise
+            else:
+                # Another worker answered: what failed before it was those workers' fault.
+                for suspect in suspects:
+                    suspect.breaker.on_failure(time.monotonic())
+                if routed.session:
+                    self.sessions.remember(routed.session, state.id)
+                return response
+            finally:
+                state.attempts.discard(attempt)
+            state.end(ticket)
+            pool.withdraw(state.id, speculated, rank)
+            last = exc
+            failures.append(str(exc))
+            log.warning("request %s: worker %s failed: %s", routed.request_id, state.id, exc)
+            if exc.reason in ("5xx", "no_token"):
+                suspects.append(state)
         if last is None:
             metrics.requests.labels("no_worker").inc()
             raise OpenAIError(
@@ -620,17 +840,17 @@ class Router:
                 code="no_worker",
                 headers={"Retry-After": "1"},
             )
-        outcome = {"overloaded": "overloaded", "timeout": "timeout"}.get(
-            last.reason, "worker_error"
-        )
-        metrics.requests.labels(outcome).inc()
+        outcome = {"overloaded": "overloaded", "timeout": "timeout", "ttft_timeout": "timeout"}
+        metrics.requests.labels(outcome.get(last.reason, "worker_error")).inc()
         raise OpenAIError(
             last.status,
             f"the request failed on {len(failures)} worker(s): {'; '.join(failures)}",
             type="rate_limit_error" if last.status == 429 else "server_error",
-            code={"overloaded": "workers_overloaded", "timeout": "timeout"}.get(
-                last.reason, "worker_unavailable"
-            ),
+            code={
+                "overloaded": "workers_overloaded",
+                "timeout": "timeout",
+                "ttft_timeout": "timeout",
+            }.get(last.reason, "worker_unavailable"),
             headers={"Retry-After": "1"} if last.status in (429, 503) else None,
         )
 
@@ -665,7 +885,7 @@ class Router:
             state.decisions[decision.reason] += 1
             if attempt and log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: prefill %s", routed.request_id, decision.explain())
-            self.index.speculate(state.id, routed.keys)
+            pool.speculate(state.id, routed.keys)
             now = time.monotonic()
             ticket = state.begin(
                 routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
@@ -723,7 +943,7 @@ class Router:
             raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
         except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
+            raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
         finally:
             resp.release()  # kept if read to its end, closed if not
         text = content.decode(errors="replace")
@@ -758,33 +978,44 @@ class Router:
         task.add_done_callback(self._background.discard)
 
     async def _send(
-        self, state: WorkerState, routed: Routed, deadline: float, *, body: bytes | None = None
+        self,
+        state: WorkerState,
+        routed: Routed,
+        deadline: float,
+        *,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """The worker's response with its headers read, or :class:`_Failed` if this worker
         cannot answer it (and another may). ``body``: a split's leg, not the client's."""
         assert self.upstream is not None
         pool = self._pool()
         now = time.monotonic()
+        sent = {"content-type": "application/json", "x-request-id": routed.request_id}
+        if headers:
+            sent.update(headers)
         try:
             async with asyncio.timeout(max(deadline - now, 0.001)):
                 resp = await self.upstream.post(
                     state.url + routed.path,
                     data=routed.body if body is None else body,
-                    headers={"content-type": "application/json", "x-request-id": routed.request_id},
+                    headers=sent,
                 )
-        except aiohttp.ConnectionTimeoutError as exc:  # perhaps only busy: the health check decides
+        except aiohttp.ConnectionTimeoutError:  # perhaps only busy: the health check decides
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("connect", f"connection timed out ({exc or 'connect timeout'})") from None
+            raise _Failed("connect", "connection timed out") from None
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("timeout", "no answer before the request timeout", 504) from None
+            reason = "ttft_timeout" if routed.stream else "timeout"
+            raise _Failed(reason, "no answer before the time limit", 504) from None
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
             pool.mark_down(state, f"connection failed: {exc.os_error}")
-            raise _Failed("connect", f"connection failed ({exc.os_error})") from None
+            raise _Failed("connect", "connection refused") from None
         except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("connection", f"{type(exc).__name__}: {exc}") from None
+            log.info("request %s: %s: %r", routed.request_id, state.id, exc)
+            raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
         if resp.status < 500 and resp.status != 429:
             return resp
         # Retried elsewhere: the worker said nothing the client has seen yet.
@@ -796,7 +1027,7 @@ class Router:
         if resp.status == 429:
             raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
         # Not charged to the breaker yet: a request that fails on every worker is more
-        # likely bad than every worker broken (see _proxy).
+        # likely bad than every worker broken (see _serve).
         raise _Failed("5xx", f"{resp.status} {_error_message(text)}")
 
     async def _respond(
@@ -807,11 +1038,14 @@ class Router:
         resp: aiohttp.ClientResponse,
         arrival: float,
         deadline: float,
+        attempt: _Attempt,
         *,
         headers: dict[str, str] | None = None,
         count_usage: bool = True,
     ) -> Response:
-        """``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
+        """The client's answer from this worker's response, once it is sure to be one: a
+        stream's first output, or the whole body. :class:`_Failed` before that.
+        ``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
         pulled, not a cache hit (the prefill leg's usage was counted instead)."""
         headers = {
             **{k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None},
@@ -820,9 +1054,14 @@ class Router:
         headers["x-request-id"] = routed.request_id
         headers["x-kvpool-worker"] = state.id
         if routed.stream and resp.status == 200:
-            relay = _Relay(
-                self, state, ticket, routed, resp, arrival, deadline, count_usage=count_usage
-            )
+            relay = _Relay(self, state, ticket, routed, resp, arrival, SSEWatch(routed.strip_usage))
+            relay.count_usage = count_usage
+            try:
+                await relay.first_output(deadline)
+            except BaseException:
+                resp.close()  # the worker sees it and aborts the request
+                raise
+            attempt.committed = True
             return _RelayResponse(relay, headers)
         metrics = self._metrics()
         try:
@@ -830,58 +1069,65 @@ class Router:
                 content = await resp.read()
         except TimeoutError:
             resp.close()
-            metrics.requests.labels("timeout").inc()
             state.breaker.on_failure(time.monotonic())
-            raise OpenAIError(
-                504,
-                f"worker {state.id} did not answer before the request timeout",
-                type="server_error",
-                code="timeout",
-            ) from None
+            raise _Failed("timeout", "no answer before the request timeout", 504) from None
         except (aiohttp.ClientError, OSError) as exc:
             # Nothing has reached the client yet: another worker may answer it.
             resp.close()
             state.breaker.on_failure(time.monotonic())
-            message = f"failed while answering: {type(exc).__name__}: {exc}"
-            raise _Failed("connection", message) from None
+            raise _Failed("connection", f"failed while answering ({type(exc).__name__})") from None
         except BaseException:  # cancelled: the worker's connection is closed, so it aborts
             resp.close()
             raise
         finally:
             resp.release()
-            state.end(ticket)
+        attempt.committed = True
+        now = time.monotonic()
         ok = resp.status < 400
+        usage = _usage_of(content) if ok else None
+        if ok:
+            completion = (
+                usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
+            )
+            state.finish_whole(ticket, now, completion if isinstance(completion, int) else None)
+        state.end(ticket)
         metrics.requests.labels("success" if ok else "client_error").inc()
         if ok:
             state.breaker.on_success()
-            metrics.e2e.observe(time.monotonic() - arrival)
-            if count_usage:
-                self._count_usage(content)
+            metrics.e2e.observe(now - arrival)
+            if count_usage and usage:
+                self._observe_usage(usage)
         return Response(content, status_code=resp.status, headers=headers)
 
-    def _count_usage(self, payload: bytes) -> None:
-        try:
-            usage = json.loads(payload).get("usage") or {}
-        except (ValueError, AttributeError):
-            return
-        self._observe_usage(usage)
-
     def _observe_usage(self, usage: dict[str, Any]) -> None:
+        """Counts an answer's prompt tokens and the cached ones (chat and completions
+        name them ``prompt_tokens``, the Responses API ``input_tokens``)."""
         metrics = self._metrics()
-        prompt = usage.get("prompt_tokens")
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        if isinstance(prompt, int) and isinstance(cached, int):
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(prompt, int):
             metrics.reported_prompt_tokens.inc(prompt)
-            metrics.realised_hit_tokens.inc(cached)
+            # A worker that does not report cached tokens (vLLM without
+            # --enable-prompt-tokens-details) served none from cache as far as we know.
+            metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
+
+
+def _usage_of(content: bytes) -> dict[str, Any] | None:
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return usage if isinstance(usage, dict) else None
 
 
 @dataclass
 class _Relay:
-    """The worker's SSE stream passed on as it arrives, with the router's TTFT and
-    inter-token latencies taken from it; a failure mid-stream ends it with an error event.
-    :meth:`close` releases the worker and the router's slot exactly once, whether the
-    stream ended, failed, or never started because the client had already gone."""
+    """The worker's SSE stream passed on event by event, with the router's TTFT and
+    inter-token latencies taken from it. :meth:`first_output` reads it up to its first
+    output (a failure before that is the caller's to retry); after that, a failure or
+    a silence past the idle timeout ends it with an error event. :meth:`close` releases
+    the worker and the router's slot exactly once, however the stream ends."""
 
     router: Router
     state: WorkerState
@@ -889,10 +1135,47 @@ class _Relay:
     routed: Routed
     resp: aiohttp.ClientResponse
     arrival: float
-    deadline: float
+    events: SSEWatch
     count_usage: bool = True
     outcome: str = "cancelled"
     closed: bool = False
+    head: bytes = b""
+    last_token: float | None = None
+    _chunks: Any = None
+
+    async def first_output(self, deadline: float) -> None:
+        """Read up to the first event with output (kept in :attr:`head` for the client);
+        :class:`_Failed` if the stream fails, ends or errors before it, or it does not come
+        before ``deadline``."""
+        state, events = self.state, self.events
+        self._chunks = self.resp.content.iter_any()
+        head: list[bytes] = []
+        try:
+            while not events.started:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    chunk = await anext(self._chunks)
+                out, _ = events.feed(chunk)
+                head.append(out)
+                if events.error or events.done:
+                    break
+        except StopAsyncIteration:
+            pass
+        except TimeoutError:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed("ttft_timeout", "no first token before the time limit", 504) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            state.breaker.on_failure(time.monotonic())
+            raise _Failed(
+                "no_token", f"stream lost before its first token ({type(exc).__name__})"
+            ) from None
+        if not events.started:
+            what = "an error" if events.error else "no output"
+            raise _Failed("no_token", f"the stream ended with {what} before its first token")
+        now = time.monotonic()
+        self.router._metrics().ttft.observe(now - self.arrival)
+        state.first_token(self.ticket, now)
+        self.last_token = now
+        self.head = b"".join(head)
 
     async def close(self) -> None:
         if self.closed:
@@ -908,45 +1191,43 @@ class _Relay:
         metrics.requests.labels(self.outcome).inc()
         if self.outcome == "success":
             metrics.e2e.observe(time.monotonic() - self.arrival)
+        if self.count_usage and self.events.usage is not None:
+            self.router._observe_usage(self.events.usage)
 
     async def stream(self) -> AsyncIterator[bytes]:
-        router, state = self.router, self.state
+        router, state, events = self.router, self.state, self.events
         metrics = router._metrics()
-        events = _SSEWatch()
-        last_token: float | None = None
+        idle = router.settings.stream_idle_timeout_s
         try:
-            chunks = self.resp.content.iter_any()
-            while True:
+            if self.head:
+                yield self.head
+            while not events.done:
                 try:
-                    async with asyncio.timeout(max(self.deadline - time.monotonic(), 0.001)):
-                        chunk = await anext(chunks)
+                    async with asyncio.timeout(idle):
+                        chunk = await anext(self._chunks)
                 except StopAsyncIteration:
                     break
-                now = time.monotonic()
-                for kind, payload in events.feed(chunk):
-                    if kind == "token":
-                        if last_token is None:
-                            metrics.ttft.observe(now - self.arrival)
-                            state.first_token(self.ticket, now)
-                        else:
-                            metrics.itl.observe(now - last_token)
-                        last_token = now
-                    elif kind == "usage" and self.count_usage:
-                        router._observe_usage(payload)
-                yield chunk
-            if not events.done:  # the worker closed the stream without [DONE]
+                out, outputs = events.feed(chunk)
+                if outputs:
+                    now = time.monotonic()
+                    if self.last_token is not None:
+                        gap = now - self.last_token
+                        metrics.itl.observe(gap)
+                        state.observe_itl(gap / outputs)
+                    self.last_token = now
+                if out:
+                    yield out
+            if not events.done:  # the worker closed the stream without its end
                 self.outcome = "stream_error"
                 state.breaker.on_failure(time.monotonic())
-                yield events.cut() + _sse_error(
-                    f"worker {state.id} ended the stream early", "worker_failed"
-                )
+                yield _sse_error(f"worker {state.id} ended the stream early", "worker_failed")
             else:
                 self.outcome = "stream_error" if events.error else "success"
                 state.breaker.on_success()
         except TimeoutError:
             self.outcome = "timeout"
-            yield events.cut() + _sse_error(
-                f"the request timeout ({router.settings.request_timeout_s:g} s) passed", "timeout"
+            yield _sse_error(
+                f"the worker sent nothing for {idle:g} s (the idle timeout)", "timeout"
             )
         except (aiohttp.ClientError, OSError) as exc:
             self.outcome = "stream_error"
@@ -954,7 +1235,7 @@ class _Relay:
             log.warning(
                 "request %s: worker %s failed mid-stream: %s", self.routed.request_id, state.id, exc
             )
-            yield events.cut() + _sse_error(
+            yield _sse_error(
                 f"worker {state.id} failed mid-stream: {type(exc).__name__}", "worker_failed"
             )
         finally:
@@ -1033,73 +1314,9 @@ def _sse_error(message: str, code: str) -> bytes:
 
 
 def _error_message(text: str) -> str:
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        return str(json.loads(text)["error"]["message"])
-    return text
-
-
-class _SSEWatch:
-    """Reads an SSE stream as it passes, to see its first token, its usage and its end,
-    without holding it back. Events are parsed only until the first token (later ones are
-    only counted), except a final usage chunk."""
-
-    def __init__(self) -> None:
-        self.buffer = b""
-        self.seen_token = False
-        self.done = False
-        self.error = False
-
-    def feed(self, chunk: bytes) -> Iterator[tuple[str, Any]]:
-        self.buffer += chunk
-        while True:
-            end = self.buffer.find(b"\n\n")
-            if end < 0:
-                return
-            event, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
-            yield from self._event(event)
-
-    def cut(self) -> bytes:
-        """What ends an event the client got only part of, so that what follows is read
-        as an event of its own (and a half event is dropped by the client's parser)."""
-        cut, self.buffer = (b"\n\n" if self.buffer else b""), b""
-        return cut
-
-    def _event(self, event: bytes) -> Iterator[tuple[str, Any]]:
-        data = b"\n".join(
-            line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")
-        )
-        if not data:
-            return
-        if data == b"[DONE]":
-            self.done = True
-            return
-        if self.seen_token and b'"usage"' not in data and b'"error"' not in data:
-            yield "token", None
-            return
-        try:
-            body = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(body, dict):
-            return
-        if "error" in body:
-            self.error = True
-            return
-        usage = body.get("usage")
-        if usage:
-            yield "usage", usage
-        if any(_has_token(c) for c in body.get("choices") or ()):
-            self.seen_token = True
-            yield "token", None
-
-
-def _has_token(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    if choice.get("text") or choice.get("finish_reason"):
-        return True
-    delta = choice.get("delta") or {}
-    return bool(delta.get("content") or delta.get("tool_calls"))
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, RecursionError):
+        return str(json.loads(text)["error"]["message"])[:300]
+    return text[:300]
 
 
 # -- running it ----------------------------------------------------------------------------

@@ -42,6 +42,12 @@ class RouterSettings(BaseModel):
     scorer: list[str] = Field(default_factory=list)  # name=weight, replaces the policy's
     guard_ratio: float = Field(1.5, ge=1.0)
     guard_slack: float = Field(4.0, ge=0.0)
+    # session affinity: a soft score for the worker a conversation was last sent to,
+    # keyed by this header, else by the body's "user" field; weight 0 turns it off
+    session_header: str = "x-session-id"
+    affinity_weight: float = Field(0.3, ge=0.0)
+    session_ttl_s: float = Field(900.0, gt=0)
+    session_capacity: int = Field(100_000, ge=1)
     speculative_ttl_s: float = Field(2.0, gt=0)
     approx_ttl_s: float = Field(120.0, gt=0)
     approx_capacity_blocks: int = Field(50_000, ge=1)
@@ -54,12 +60,18 @@ class RouterSettings(BaseModel):
     health_interval_s: float = Field(0.5, gt=0)
     health_timeout_s: float = Field(1.0, gt=0)
     scrape_interval_s: float = Field(1.0, gt=0)
+    models_interval_s: float = Field(10.0, gt=0)  # /v1/models again: adapters come and go
     # reliability
     max_attempts: int = Field(3, ge=1)
     retry_backoff_s: float = Field(0.05, ge=0)
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown_s: float = Field(5.0, gt=0)
+    # whole answers (not streamed): the time for all of it
     request_timeout_s: float = Field(600.0, gt=0)
+    # streams: the time to the first token (then retried elsewhere), and the longest
+    # silence between chunks after it (then ended with an error event)
+    first_token_timeout_s: float = Field(300.0, gt=0)
+    stream_idle_timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     max_concurrency: int = Field(1024, ge=1)
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
@@ -115,4 +127,6 @@ class RouterSettings(BaseModel):
                     raise ValueError(f"scorer: {item!r} is not name=weight") from None
                 weights.append((name, value))
             changes["scorers"] = tuple(weights)
+        elif self.affinity_weight > 0 and self.policy == "kvpool":
+            changes["scorers"] = (*base.scorers, ("affinity", self.affinity_weight))
         return replace(base, **changes)  # type: ignore[arg-type]

@@ -163,3 +163,152 @@ def test_goals_tell_misses_within_run_to_run_noise_from_real_ones(routing: Modul
     assert [(m["rate"], m["beyond"]) for m in ttft["misses"]] == [("8", False), ("16", True)]
     assert not hit["held"] and hit["held_within_noise"]  # one point under, at 8 req/s
     assert "within noise" in routing.describe_goal(hit)
+
+
+def test_every_conversation_carries_one_session_id_of_its_own(
+    routing: ModuleType, words: Any
+) -> None:
+    sessions = routing.multi_turn(words, 8.0, 10.0)
+    ids = [s.session_id for s in sessions]
+    assert None not in ids and len(set(ids)) == len(sessions)  # one per conversation
+    assert ids == [s.session_id for s in routing.multi_turn(words, 8.0, 10.0)]  # stable
+    for s in sessions:
+        assert s.headers() == {"x-session-id": s.session_id}  # sent with its every turn
+    # the single-request workloads send none
+    assert all(s.headers() == {} for s in routing.groups(words, 8.0, 2.0))
+
+
+async def test_every_request_of_a_turn_sends_its_sessions_header(
+    routing: ModuleType,
+) -> None:
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("x-session-id"))
+        chunks = [{"choices": [{"text": " a"}]}, {"choices": [{"finish_reason": "length"}]}]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return web.Response(text=body, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        sessions = [
+            routing.Session((0.0, 0.01), ("a", "a b"), (1, 1), "mt7"),
+            routing.Session((0.0,), ("c",), (1,)),
+        ]
+        result = await routing.drive(url, "m", sessions, [url])
+    finally:
+        await runner.cleanup()
+    assert result["errors"] == 0 and result["completed"] == 3
+    assert seen.count("mt7") == 2 and seen.count(None) == 1  # both turns; none for the other
+
+
+def test_the_affinity_run_compares_affinity_on_and_off_beside_the_sglang_router(
+    routing: ModuleType,
+) -> None:
+    parser = routing.build_parser()
+    plan = routing.plan(parser.parse_args(["--affinity"]), parser)
+    assert plan.name == "affinity"
+    assert plan.workloads == ["multi-turn"]
+    assert plan.policies == ["kvpool", "kvpool-no-affinity", "sglang-router"]
+    assert plan.rates == {"multi-turn": routing.RATES["multi-turn"]}
+    assert plan.out == routing.RESULTS
+    quick = routing.plan(parser.parse_args(["--affinity", "--quick"]), parser)
+    assert len(quick.rates["multi-turn"]) == 1 and quick.out != routing.RESULTS
+    # the whole benchmark is what it was: no variant unless named, written to routing.*
+    default = routing.plan(parser.parse_args([]), parser)
+    assert default.name == "routing"
+    baselines = ["round-robin", "least-loaded", "prefix-only", "sglang-router"]
+    assert default.policies == ["kvpool", *baselines]
+    with pytest.raises(SystemExit):
+        routing.plan(parser.parse_args(["--affinity", "--policies", "kvpool"]), parser)
+
+
+def test_kvpool_no_affinity_is_the_default_policy_with_affinity_weight_zero(
+    routing: ModuleType, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text("{}")  # what the router's settings ask of a model
+
+    def flags(policy: str, extra: list[str]) -> list[str]:
+        argv = routing.kvpool_router_argv(policy, tmp_path, 9, ["http://w"], extra)
+        return argv[argv.index("serve") + 1 :]
+
+    assert flags("kvpool", []) == [
+        *("--model", str(tmp_path), "--port", "9", "--policy", "kvpool", "--worker", "http://w")
+    ]
+    off = flags("kvpool-no-affinity", ["--affinity-weight", "0.5"])
+    assert off[off.index("--policy") :] == [
+        *("--policy", "kvpool", "--affinity-weight", "0", "--worker", "http://w")
+    ]  # after --router-args: the variant stays what its name says
+    from kvpool.router.cli import build_parser
+    from kvpool.router.settings import RouterSettings
+    from kvpool.settings_cli import build_settings, settings_values
+
+    if "affinity_weight" not in RouterSettings.model_fields:
+        pytest.skip("the router has no --affinity-weight yet")
+    args = build_parser().parse_args(["serve", *flags("kvpool-no-affinity", [])])
+    settings = build_settings(RouterSettings, settings_values(args, RouterSettings, "KVPOOL_X_"))
+    assert settings.policy == "kvpool" and settings.affinity_weight == 0
+    scorers = [name for name, _ in settings.policy_config().scorers]
+    assert "affinity" not in scorers
+    on = build_settings(RouterSettings, {"model": str(tmp_path), "worker": ["http://w"]})
+    assert "affinity" in [name for name, _ in on.policy_config().scorers]  # kvpool: on
+
+
+def test_an_affinity_run_writes_affinity_files_and_leaves_routing_alone(
+    routing: ModuleType, tmp_path: Path
+) -> None:
+    def row(p90: float, hit: float) -> dict[str, Any]:
+        return {
+            "hit_ratio": hit,
+            "ttft_p50": p90 / 2,
+            "ttft_p90": p90,
+            "ttft_p99": p90 * 2,
+            "throughput": 100.0,
+            "imbalance": 1.1,
+            "path_overhead_ms": 5.0,
+        }
+
+    results = {
+        "multi-turn": {
+            "kvpool": {"8": row(1.0, 0.62)},
+            "kvpool-no-affinity": {"8": row(1.2, 0.55)},
+            "sglang-router": {"8": row(1.1, 0.62)},
+        }
+    }
+    meta = {
+        "name": "affinity",
+        "date": "2026-11-23",
+        "machine": "x86_64, 2 cores, Linux",
+        "python": "3.11",
+        "command": "bench/routing.py --affinity",
+        "workers": 8,
+        "fleet_processes": 2,
+        "time_scale": 8.0,
+        "duration_s": 12.0,
+        "wall_s": 60.0,
+        "load_average": [1.0, 1.0],
+        "notes": {"multi-turn": "a note"},
+    }
+    routing.write_results(tmp_path, results, meta)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "affinity.json",
+        "affinity.md",
+        "affinity.png",
+    ]
+    text = (tmp_path / "affinity.md").read_text()
+    assert text.startswith("# Session affinity")
+    assert "| 8 | 62.0% / 55.0% (+7.0 points) | 1,000 / 1,200 | 1.20x |" in text
+    written = json.loads((tmp_path / "affinity.json").read_text())
+    assert written["multi-turn"]["kvpool-no-affinity"]["8"]["ttft_p90"] == 1.2
+    assert written["meta"]["name"] == "affinity"

@@ -80,3 +80,19 @@ async def test_events_listen_prints_a_workers_events_as_json_lines(make_publishe
     assert [line["seq"] for line in lines] == [0, 1, 2]
     assert lines[2]["events"][0]["type"] == "BlockStored"
     assert lines[2]["events"][0]["block_hashes"] == [2]
+
+
+@pytest.mark.parametrize("component", ["router", "worker"])
+def test_serve_help_says_a_required_flag_is_required(component: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([component, "serve", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+    assert "PydanticUndefined" not in out
+    out = out.split(" options: ", 1)[1]  # the flags' help, after the usage line
+    model = out.split("--model MODEL", 1)[1].split(" --", 1)[0]
+    assert "required" in model
+    assert "model directory" in model  # the field's description
+    if component == "router":
+        worker = out.split("--worker WORKER", 1)[1].split(" --", 1)[0]
+        assert "default none; repeat for several" in worker

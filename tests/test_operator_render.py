@@ -172,6 +172,8 @@ def test_vllm_workers_get_kv_events_prefix_hashing_and_nixl_flags() -> None:
         assert c["command"] == ["vllm", "serve"]
         assert c["args"][0] == "/models/source/llama-3.1-70b"
         assert arg(c, "--prefix-caching-hash-algo") == "sha256_cbor"
+        # cached prompt tokens in every answer's usage: the router's realised hit ratio
+        assert "--enable-prompt-tokens-details" in c["args"]
         assert arg(c, "--block-size") == "16"
         assert arg(c, "--max-model-len") == "32768"
         events = json.loads(arg(c, "--kv-events-config"))

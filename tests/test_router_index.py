@@ -140,6 +140,34 @@ def test_remove_drops_the_speculative_entry_too(index: BlockIndex) -> None:
     assert index.num_speculative("a") == 2
 
 
+def test_speculate_returns_only_the_keys_it_added(index: BlockIndex, clock: FakeClock) -> None:
+    index.add_worker("a")
+    index.store("a", [1])
+    assert index.speculate("a", [1, 2, 3]) == [2, 3]
+    assert index.speculate("a", [1, 2, 3, 4]) == [4]  # 2 and 3 only refreshed
+    clock.advance(10)
+    assert index.speculate("a", [1, 2]) == [2]  # expired: added again
+
+
+def test_withdrawn_speculation_gives_no_credit_and_leaves_confirmed_blocks(
+    index: BlockIndex,
+) -> None:
+    index.add_worker("a", tracked=False)
+    index.add_worker("b", tracked=False)
+    index.store("a", [1])
+    index.speculate("b", [1, 2])
+    added = index.speculate("a", [1, 2, 3])
+    assert added == [2, 3]
+    assert index.match([1, 2, 3]) == {"a": 3, "b": 2}
+
+    index.withdraw("a", [1, *added])  # the request failed: 429, connection refused
+    assert index.match([1, 2, 3]) == {"a": 1, "b": 2}
+    assert (index.num_blocks("a"), index.num_speculative("a")) == (1, 0)
+    index.withdraw("a", [7])  # nothing of the worker's: nothing happens
+    with pytest.raises(KeyError):
+        index.withdraw("c", [1])
+
+
 def test_untracked_worker_evicts_least_recently_routed(clock: FakeClock) -> None:
     index = BlockIndex(clock=clock, approx_capacity_blocks=6)
     index.add_worker("u", tracked=False)
@@ -348,11 +376,15 @@ class Model:
             applied += 1
         return applied
 
-    def speculate(self, w: str, hashes: list[int]) -> None:
+    def speculate(self, w: str, hashes: list[int]) -> list[int]:
         now = self.clock.now
         ttl = SPEC_TTL if self.tracked[w] else APPROX_TTL
+        added: list[int] = []
         for h in reversed(hashes):  # the chain's head counts as the most recently routed
             if h not in self.blocks[w]:
+                old = self.spec[w].get(h)
+                if old is None or old[0] <= now:
+                    added.insert(0, h)
                 self.routed += 1
                 self.spec[w][h] = (now + ttl, self.routed)
         if not self.tracked[w]:
@@ -360,6 +392,11 @@ class Model:
             while len(live) > APPROX_CAPACITY:
                 del live[min(live, key=lambda h: live[h][1])]
             self.spec[w] = live
+        return added
+
+    def withdraw(self, w: str, hashes: list[int]) -> None:
+        for h in hashes:
+            self.spec[w].pop(h, None)
 
     def held(self, w: str, h: int) -> bool:
         spec = self.spec[w].get(h)
@@ -446,8 +483,29 @@ class IndexMatchesModel(RuleBasedStateMachine):
     @rule(w=st.sampled_from(WORKERS), hashes=chains)
     def speculate(self, w: str, hashes: list[int]) -> None:
         if self._known(w):
-            self.index.speculate(w, hashes)
-            self.model.speculate(w, hashes)
+            assert self.index.speculate(w, hashes) == self.model.speculate(w, hashes)
+
+    @rule(w=st.sampled_from(WORKERS), hashes=st.lists(hash_values, max_size=4))
+    def withdraw(self, w: str, hashes: list[int]) -> None:
+        if self._known(w):
+            self.index.withdraw(w, hashes)
+            self.model.withdraw(w, hashes)
+
+    @rule(w=st.sampled_from(WORKERS), hashes=chains)
+    def speculate_then_withdraw(self, w: str, hashes: list[int]) -> None:
+        """A failed attempt takes back its speculation: every match is as before (unless
+        the speculation evicted older guesses of an untracked worker for room)."""
+        if not self._known(w):
+            return
+        probes = [hashes, *BASE_CHAINS, *([h] for h in range(1, 13))]
+        before = [self.index.match(p) for p in probes]
+        room = APPROX_CAPACITY - self.model.num_speculative(w)
+        added = self.index.speculate(w, hashes)
+        assert added == self.model.speculate(w, hashes)
+        self.index.withdraw(w, added)
+        self.model.withdraw(w, added)
+        if self.model.tracked[w] or len(added) <= room:
+            assert [self.index.match(p) for p in probes] == before
 
     @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]))
     def advance_clock(self, seconds: float) -> None:

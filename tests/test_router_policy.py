@@ -10,14 +10,19 @@ import pytest
 from kvpool.router.policy import (
     FILTERS,
     SCORERS,
+    Planner,
     Policy,
     PolicyConfig,
     PrefillModel,
     RouteRequest,
+    SplitConfig,
     WorkerView,
+    decode_policy_config,
 )
 
 CFG = PolicyConfig()
+#: the default policy with session affinity, as the router's settings append it
+AFFINITY = PolicyConfig(scorers=(*CFG.scorers, ("affinity", 0.3)))
 
 
 def req(num_tokens: int = 1000, block_size: int = 16, **matched: int) -> RouteRequest:
@@ -57,6 +62,37 @@ def test_model_filter_drops_workers_serving_another_model() -> None:
     ws = [WorkerView("a", model="llama"), WorkerView("b", model="qwen"), WorkerView("c")]
     r = RouteRequest(100, 16, {}, model="llama")
     assert set(FILTERS["model"](r, ws, CFG)) == {"b"}
+
+
+def test_model_filter_keeps_only_workers_listing_the_requested_adapter() -> None:
+    ws = [
+        WorkerView("base", model="llama", models=frozenset({"llama"})),
+        WorkerView("sql", model="llama", models=frozenset({"llama", "sql-lora"})),
+        WorkerView("old", model="llama"),  # lists nothing: judged by its base model
+        WorkerView("unknown"),
+    ]
+    dropped = FILTERS["model"](RouteRequest(100, 16, {}, model="sql-lora"), ws, CFG)
+    assert dropped == {"base": "serves llama", "old": "serves llama"}
+    assert FILTERS["model"](RouteRequest(100, 16, {}, model="llama"), ws, CFG) == {}
+
+
+def test_model_filter_names_a_few_of_many_adapters() -> None:
+    many = WorkerView("w", models=frozenset({"base", *(f"lora-{i}" for i in range(10))}))
+    (why,) = FILTERS["model"](RouteRequest(100, 16, {}, model="other"), [many], CFG).values()
+    assert why == "serves base, lora-0, lora-1 (+8 more)"
+
+
+def test_an_adapter_request_is_only_routed_to_workers_listing_the_adapter() -> None:
+    ws = [
+        WorkerView("w0", model="llama", models=frozenset({"llama"})),
+        WorkerView("w1", model="llama", models=frozenset({"llama", "chat-lora"})),
+        WorkerView("w2", model="llama", models=frozenset({"llama"})),
+    ]
+    policy = Policy.named("kvpool", rng=random.Random(1))
+    r = RouteRequest(1000, 16, {"w0": 60, "w2": 60}, model="chat-lora")  # cache elsewhere
+    assert {policy.decide(r, ws).worker for _ in range(20)} == {"w1"}
+    d = policy.decide(r, ws)
+    assert "w0: filtered (model: serves llama)" in d.explain()
 
 
 def test_decode_load_guard_drops_workers_far_above_the_mean() -> None:
@@ -123,6 +159,12 @@ def test_queue_scorer_prefers_shorter_prefill_queues() -> None:
     assert scores["b"] > scores["a"]
 
 
+def test_affinity_scorer_marks_the_sessions_last_worker() -> None:
+    r = RouteRequest(100, 16, {}, affinity="w1")
+    assert SCORERS["affinity"](r, workers(3)) == {"w0": 0.0, "w1": 1.0, "w2": 0.0}
+    assert set(SCORERS["affinity"](req(), workers(3)).values()) == {0.0}  # no session
+
+
 def test_every_scorer_stays_within_zero_and_one() -> None:
     rng = random.Random(7)
     for _ in range(200):
@@ -136,6 +178,7 @@ def test_every_scorer_stays_within_zero_and_one() -> None:
             for i in range(rng.randint(1, 6))
         ]
         r = req(rng.randint(1, 5000), **{w.id: rng.randint(0, 300) for w in ws})
+        r.affinity = rng.choice([None, "w0", "gone"])
         for name, scorer in SCORERS.items():
             for score in scorer(r, ws).values():
                 assert 0.0 <= score <= 1.0, name
@@ -253,3 +296,68 @@ def test_unknown_policy_pieces_are_refused_with_the_names_that_exist() -> None:
         PolicyConfig(scorers=(("nope", 1.0),))
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         Policy.named("fastest")
+
+
+def test_duplicate_scorers_are_refused() -> None:
+    with pytest.raises(ValueError, match="once"):
+        PolicyConfig(scorers=(("ttft", 1.0), ("ttft", 0.5)))
+
+
+# -- session affinity ------------------------------------------------------------------------
+
+
+def session_req(affinity: str | None, num_tokens: int = 1000, **matched: int) -> RouteRequest:
+    return RouteRequest(num_tokens, 16, matched, affinity=affinity)
+
+
+def test_the_default_policy_has_no_affinity_and_the_settings_can_add_it() -> None:
+    assert PolicyConfig().scorers == (("ttft", 1.0), ("prefix", 0.5))
+    policy = Policy.named("kvpool", scorers=AFFINITY.scorers)
+    assert dict(policy.config.scorers)["affinity"] == 0.3
+
+
+def test_a_session_goes_back_to_its_worker_among_equal_workers() -> None:
+    policy = Policy(AFFINITY, rng=random.Random(2))
+    chosen = {policy.decide(session_req("w1"), workers(2)).worker for _ in range(50)}
+    assert chosen == {"w1"}
+
+
+def test_a_session_leaves_its_worker_when_it_is_over_the_decode_load_guard() -> None:
+    ws = workers(3)
+    ws[1].in_flight = 12  # the others idle: 12 + 1 over 1.5 * 4 + 4
+    d = Policy(AFFINITY).decide(session_req("w1", w1=60), ws)
+    assert d.worker != "w1"
+    assert next(c for c in d.candidates if c.worker == "w1").filtered.startswith("decode-load")
+
+
+def test_a_long_prefill_queue_outweighs_affinity() -> None:
+    ws = workers(2)
+    ws[1].queued_tokens = 50_000
+    d = Policy(AFFINITY).decide(session_req("w1"), ws)
+    assert (d.worker, d.reason) == ("w0", "load")
+
+
+def test_affinity_keeps_a_session_over_a_slightly_bigger_prefix_and_says_so() -> None:
+    d = Policy(AFFINITY).decide(session_req("w1", w0=2), workers(2))
+    assert (d.worker, d.reason) == ("w1", "affinity")
+    d = Policy(PolicyConfig()).decide(session_req("w1", w0=2), workers(2))
+    assert (d.worker, d.reason) == ("w0", "prefix")  # without the scorer: no pull
+
+
+def test_the_explanation_shows_the_affinity_score() -> None:
+    d = Policy(AFFINITY).decide(session_req("w1"), workers(2))
+    rows = {c.worker: c for c in d.candidates}
+    assert rows["w1"].scores["affinity"] == 1.0 and rows["w0"].scores["affinity"] == 0.0
+    assert "w1: cached 0, queue 0, ttft 1.00 prefix 0.00 affinity 1.00 = 1.300" in d.explain()
+
+
+def test_the_decode_leg_keeps_affinity_and_its_weight() -> None:
+    assert "affinity" not in dict(decode_policy_config(CFG).scorers)
+    assert dict(decode_policy_config(AFFINITY).scorers)["affinity"] == 0.3
+    ws = [WorkerView("p", role="prefill"), WorkerView("d0", role="decode")]
+    ws.append(WorkerView("d1", role="decode"))
+    planner = Planner(AFFINITY, SplitConfig("Disaggregated"), rng=random.Random(4))
+    r = session_req("d1", 4000)
+    plan = planner.plan(r, ws)
+    assert plan.path == "disaggregated" and plan.prefill.worker == "p"
+    assert {planner.decode_decision(r, ws).worker for _ in range(20)} == {"d1"}

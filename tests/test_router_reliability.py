@@ -518,7 +518,7 @@ def test_stream_that_stalls_after_its_first_chunk_ends_with_a_timeout_event(
 ) -> None:
     (fake,) = fake_workers(1)
     fake.mode = "hang"
-    router = start_router(worker=[fake.spec("a")], request_timeout_s=1.0)
+    router = start_router(worker=[fake.spec("a")], stream_idle_timeout_s=1.0)
     router.wait_workers_up(1)
 
     t0 = time.monotonic()
@@ -751,7 +751,7 @@ def test_worker_hashing_differently_is_reported_and_gets_no_cache_credit(
 # -- bad input -----------------------------------------------------------------------------
 
 BAD_INPUT = {
-    # name: (path, content, status, type, code, param)
+    # name: (path, content, status, type, code, param); the router answers these itself
     "malformed_json": (
         "/v1/completions",
         b'{"prompt": "hi", ',
@@ -759,22 +759,6 @@ BAD_INPUT = {
         "invalid_request_error",
         "invalid_json",
         None,
-    ),
-    "unknown_field": (
-        "/v1/completions",
-        {"prompt": "hi", "frobnicate": 1},
-        400,
-        "invalid_request_error",
-        "invalid_value",
-        "frobnicate",
-    ),
-    "bad_value": (
-        "/v1/completions",
-        {"prompt": "hi", "max_tokens": "many"},
-        400,
-        "invalid_request_error",
-        "invalid_value",
-        "max_tokens",
     ),
     "chat_without_messages": (
         "/v1/chat/completions",
@@ -834,6 +818,36 @@ def test_bad_input_gets_the_same_openai_error_json_as_from_a_worker(
         assert param in answers["router"].json()["error"]["message"]
     assert fake.completions == 0  # nothing bad reaches a worker through the router
     assert router.metric("kvpool_router_requests_total", outcome="client_error") == 1
+
+
+#: refusing a field is the worker's job: the router forwards these, and the worker's answer
+#: reaches the client as the worker sent it
+WORKER_REFUSES = {
+    "unknown_field": ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    "bad_value": ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(WORKER_REFUSES))
+def test_a_field_the_router_does_not_read_is_the_workers_to_refuse(
+    start_worker: Callable[..., Any],
+    start_router: Callable[..., RunningRouter],
+    case: str,
+) -> None:
+    content, param = WORKER_REFUSES[case]
+    worker = start_worker(engine="sim")
+    router = start_router(worker=[f"{worker.url},id=a"])
+    router.wait_workers_up(1)
+
+    through = httpx.post(router.url + "/v1/completions", json=content, timeout=10)
+    direct = httpx.post(worker.url + "/v1/completions", json=content, timeout=10)
+
+    assert through.status_code == direct.status_code == 400
+    assert through.json() == direct.json()
+    assert error_of(through)["param"] == param
+    assert router.metric("kvpool_router_requests_total", outcome="client_error") == 1
+    # the client's mistake is not the worker's failure
+    assert router.workers()["a"]["circuit_open"] is False
 
 
 def test_client_supplied_kv_transfer_params_are_refused(

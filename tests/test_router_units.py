@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.router.pool import parse_load
-from kvpool.router.server import _SSEWatch
 from kvpool.router.settings import RouterSettings
+from kvpool.router.sse import SSEWatch
 
 WORKER_METRICS = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage.
@@ -40,24 +40,61 @@ def event(body: dict) -> bytes:
 
 
 def test_sse_watch_sees_the_first_token_not_the_role_chunk() -> None:
-    watch = _SSEWatch()
+    watch = SSEWatch()
     role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    assert list(watch.feed(role)) == []
+    assert watch.feed(role) == (role, 0) and not watch.started
     token = event({"choices": [{"index": 0, "delta": {"content": "Hi"}}]})
-    # An event may arrive in pieces: it counts when it is whole.
-    assert list(watch.feed(token[:10])) == []
-    assert list(watch.feed(token[10:])) == [("token", None)]
+    # An event may arrive in pieces: it passes on, and counts, when it is whole.
+    assert watch.feed(token[:10]) == (b"", 0)
+    assert watch.feed(token[10:]) == (token, 1) and watch.started
     usage = {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}
-    assert list(watch.feed(event({"choices": [], "usage": usage}))) == [("usage", usage)]
-    list(watch.feed(b"data: [DONE]\n\n"))
+    watch.feed(event({"choices": [], "usage": usage}))
+    assert watch.usage == usage
+    watch.feed(b"data: [DONE]\n\n")
     assert watch.done and not watch.error
 
 
-def test_an_error_after_half_an_event_starts_an_event_of_its_own() -> None:
-    watch = _SSEWatch()
-    list(watch.feed(b'data: {"choices": [{"text": "hel'))
-    assert watch.cut() == b"\n\n"
-    assert watch.cut() == b""  # nothing pending any more
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"reasoning_content": "Let me think"},
+        {"reasoning": "Let me think"},
+        {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ""}}]},
+    ],
+)
+def test_reasoning_and_tool_call_deltas_are_a_first_token(delta: dict) -> None:
+    watch = SSEWatch()
+    _, outputs = watch.feed(event({"choices": [{"index": 0, "delta": delta}]}))
+    assert outputs == 1 and watch.started
+
+
+def test_usage_the_client_did_not_ask_for_is_read_and_not_passed_on() -> None:
+    watch = SSEWatch(strip_usage=True)
+    usage = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}
+    token = event({"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]})
+    out, _ = watch.feed(token + event({"choices": [], "usage": usage}) + b"data: [DONE]\n\n")
+    assert out == token + b"data: [DONE]\n\n"
+    assert watch.usage == usage and watch.done
+
+
+def test_responses_api_stream_is_read_by_its_event_types() -> None:
+    watch = SSEWatch()
+
+    def named(kind: str, **body: object) -> bytes:
+        return f"event: {kind}\n".encode() + event({"type": kind, **body})
+
+    assert watch.feed(named("response.created", response={}))[1] == 0
+    assert watch.feed(named("response.output_text.delta", delta="Hi"))[1] == 1
+    assert watch.feed(named("response.output_text.done", text="Hi"))[1] == 0
+    usage = {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 16}}
+    watch.feed(named("response.completed", response={"usage": usage}))
+    assert watch.done and watch.usage == usage
+
+
+def test_an_error_before_the_first_token_is_seen() -> None:
+    watch = SSEWatch()
+    watch.feed(event({"error": {"message": "engine dead", "type": "server_error"}}))
+    assert watch.error and not watch.started
 
 
 def test_the_same_worker_twice_is_refused_at_start_up(llama_dir: Path) -> None:

@@ -1,0 +1,341 @@
+"""What the router reads of a request body: only what routing needs.
+
+The router is a gateway in front of vLLM and kvpool workers, so it must pass every body
+that a worker accepts, including fields it has never heard of. It therefore reads a few
+fields (the model, the prompt or messages and everything that shapes their tokens,
+``stream``, the session hints), checks only their types, and forwards the body as the
+client sent it: refusing a feature is the worker's job.
+
+The prompt is reduced to what the router tokenizes, the way vLLM's OpenAI server does
+before its engine sees it:
+
+* chat messages go through the model's chat template with ``tools``, ``documents``,
+  ``chat_template``, ``add_generation_prompt``, ``continue_final_message`` and
+  ``chat_template_kwargs``; text parts of a message are joined with a newline, and an
+  assistant turn's tool-call ``arguments`` (a JSON string on the wire) are given to the
+  template as the object they encode;
+* content the router cannot tokenize (images, audio, video, files) ends the part of the
+  prompt that gets cache credit: its blocks would carry the media's hash in vLLM, and ours
+  cannot, so only the text before the first such part is hashed (the rest still counts as
+  prompt to prefill);
+* a Responses API request (``/v1/responses``) becomes the chat it stands for:
+  ``instructions`` a system turn, ``input`` the turns, function calls and their outputs
+  assistant tool calls and tool turns.
+
+Pure functions of the parsed JSON; errors are :class:`~kvpool.openai_api.OpenAIError`
+(400) naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvpool.openai_api import OpenAIError
+
+__all__ = ["MEDIA_SENTINEL", "Kind", "RoutingFields", "parse_body", "read_fields"]
+
+Kind = Literal["completion", "chat", "responses"]
+
+#: stands in the rendered chat where the first part the router cannot tokenize was
+MEDIA_SENTINEL = "\u2063kvpool-media\u2063"
+
+#: content part types that are text
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
+@dataclass
+class RoutingFields:
+    """The fields of a body the router acts on; the body itself is forwarded unchanged."""
+
+    kind: Kind
+    model: str | None
+    stream: bool
+    #: the client asked for usage on its stream (``stream_options.include_usage``)
+    include_usage: bool
+    user: str | None = None
+    cache_salt: str | None = None
+    #: completions: the prompts (text or token ids); the first routes a batch
+    prompts: list[str | list[int]] = field(default_factory=list)
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    #: chat and responses: the messages as the chat template gets them
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the type of the first content part the router cannot tokenize, if any
+    media: str | None = None
+    kv_transfer_params: bool = False
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says why not (never a 500: nesting too deep
+    for the parser is bad input like any other)."""
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise OpenAIError(
+            400, "the body is not valid JSON: nested too deeply", code="invalid_json"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise OpenAIError(
+            400, f"the body must be a JSON object, not {type(obj).__name__}", code="invalid_json"
+        )
+    return obj
+
+
+def _bad(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", code="invalid_value", param=param)
+
+
+def _opt(obj: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
+    value = obj.get(name)
+    if value is None:
+        return None
+    # bool is an int in Python: a boolean is never a number here
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+        raise _bad(name, f"must be {what} (got {_short(value)})")
+    return value
+
+
+def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
+    """The routing fields of a parsed body of ``kind``."""
+    stream = bool(_opt(obj, "stream", bool, "a boolean"))
+    options = _opt(obj, "stream_options", dict, "an object") or {}
+    fields = RoutingFields(
+        kind=kind,
+        model=_opt(obj, "model", str, "a string"),
+        stream=stream,
+        include_usage=stream and options.get("include_usage") is True,
+        user=_opt(obj, "user", str, "a string"),
+        cache_salt=_opt(obj, "cache_salt", str, "a string"),
+        kv_transfer_params=obj.get("kv_transfer_params") is not None,
+    )
+    if kind == "completion":
+        fields.prompts = _prompts(obj)
+        fields.add_special_tokens = _flag(obj, "add_special_tokens", True)
+        fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
+        return fields
+    if kind == "chat":
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "must be a non-empty list of messages")
+        fields.messages, fields.media = _messages(messages)
+        tools = _tools(_opt(obj, "tools", list, "a list"))
+        fields.add_special_tokens = _flag(obj, "add_special_tokens", False)
+        fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
+    else:
+        fields.messages, fields.media = _responses_input(obj)
+        tools = _tools(_responses_tools(_opt(obj, "tools", list, "a list")))
+        fields.add_special_tokens = False
+    kwargs: dict[str, Any] = dict(_opt(obj, "chat_template_kwargs", dict, "an object") or {})
+    kwargs["add_generation_prompt"] = _flag(obj, "add_generation_prompt", True)
+    kwargs["continue_final_message"] = _flag(obj, "continue_final_message", False)
+    if tools:
+        kwargs["tools"] = tools
+    documents = _opt(obj, "documents", list, "a list")
+    if documents:
+        kwargs["documents"] = documents
+    template = _opt(obj, "chat_template", str, "a string")
+    if template:
+        kwargs["chat_template"] = template
+    fields.template_kwargs = kwargs
+    return fields
+
+
+def _flag(obj: dict[str, Any], name: str, default: bool) -> bool:
+    value = _opt(obj, name, bool, "a boolean")
+    return default if value is None else value
+
+
+def _prompts(obj: dict[str, Any]) -> list[str | list[int]]:
+    p = obj.get("prompt")
+    if isinstance(p, str):
+        prompts: list[str | list[int]] = [p]
+    elif isinstance(p, list) and p and all(_is_token(t) for t in p):
+        prompts = [list(p)]
+    elif isinstance(p, list) and p and all(isinstance(t, str) for t in p):
+        prompts = list(p)
+    elif (
+        isinstance(p, list)
+        and p
+        and all(isinstance(t, list) and all(_is_token(i) for i in t) for t in p)
+    ):
+        prompts = [list(t) for t in p]
+    elif p is None and obj.get("prompt_embeds") is not None:
+        return []  # embeddings, not tokens: nothing to hash
+    elif p is None:
+        raise OpenAIError(
+            400, "missing required argument: prompt", code="invalid_value", param="prompt"
+        )
+    else:
+        raise _bad("prompt", "must be a string, a list of strings or a list of token ids")
+    if not prompts or not prompts[0]:
+        raise _bad("prompt", "must not be empty")
+    return prompts
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _messages(messages: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The messages as vLLM gives them to a chat template, and the type of the first part
+    the router cannot tokenize (where :data:`MEDIA_SENTINEL` stands; later ones are
+    left out)."""
+    out: list[dict[str, Any]] = []
+    media: str | None = None
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages.{i}", "must be an object")
+        if not isinstance(m.get("role"), str):
+            raise _bad(f"messages.{i}.role", "must be a string")
+        msg = dict(m)
+        msg["content"], first = _content(msg.get("content"), f"messages.{i}.content", media)
+        media = media or first
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            msg["tool_calls"] = [_tool_call(c) for c in calls]
+        out.append(msg)
+    return out, media
+
+
+def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | None]:
+    """Text parts joined with a newline, as vLLM does for templates that take a string.
+    The first untokenizable part of the request becomes the sentinel (``media`` says
+    whether one came before); later ones are dropped."""
+    if content is None:
+        return "", None  # vLLM gives templates an empty string
+    if isinstance(content, str):
+        return content, None
+    if not isinstance(content, list):
+        raise _bad(param, "must be a string or a list of content parts")
+    texts: list[str] = []
+    first: str | None = None
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise _bad(f"{param}.{j}", "must be a content part object")
+        kind = part.get("type")
+        if kind in TEXT_PARTS:
+            text = part.get("text", part.get("refusal"))
+            if not isinstance(text, str):
+                raise _bad(f"{param}.{j}.text", "must be a string")
+            texts.append(text)
+        elif media is None and first is None:
+            first = str(kind or "unknown")
+            texts.append(MEDIA_SENTINEL)
+    return "\n".join(texts), first
+
+
+def _tool_call(call: Any) -> Any:
+    """vLLM renders a tool call's ``arguments`` as the object its JSON string encodes (the
+    templates of Llama 3, Qwen and Hermes expect a mapping); arguments that are not a JSON
+    object become an empty one, as there."""
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            args = json.loads(function["arguments"])
+        except (ValueError, RecursionError):
+            args = {}
+        if not isinstance(args, dict):
+            args = {}
+        return {**call, "function": {**function, "arguments": args}}
+    return call
+
+
+def _tools(tools: list[Any] | None) -> list[Any] | None:
+    """Tools as vLLM hands them to a template: each parsed into its request model and
+    dumped again, so its keys come in the model's order, and a missing description or
+    parameters is null (``tojson`` keeps the order: it changes the tokens)."""
+    if not tools:
+        return tools
+    out = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict):
+            out.append(tool)
+            continue
+        out.append(
+            {
+                "type": tool.get("type", "function"),
+                "function": {
+                    "name": function.get("name"),
+                    "description": function.get("description"),
+                    "parameters": function.get("parameters"),
+                },
+            }
+        )
+    return out
+
+
+def _responses_input(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """A Responses API ``input`` (and ``instructions``) as chat messages."""
+    messages: list[dict[str, Any]] = []
+    instructions = _opt(obj, "instructions", str, "a string")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = obj.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+        return messages, None
+    if not isinstance(given, list) or not given:
+        raise _bad("input", "must be a string or a non-empty list of input items")
+    media: str | None = None
+    for i, item in enumerate(given):
+        if not isinstance(item, dict):
+            raise _bad(f"input.{i}", "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            content, first = _content(item.get("content"), f"input.{i}.content", media)
+            media = media or first
+            messages.append({"role": item.get("role", "user"), "content": content})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            messages.append({"role": "assistant", "content": "", "tool_calls": [_tool_call(call)]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+        elif media is None:  # reasoning, file search results...: text the router cannot place
+            media = str(kind)
+            messages.append({"role": "user", "content": MEDIA_SENTINEL})
+    return messages, media
+
+
+def _responses_tools(tools: list[Any] | None) -> list[Any] | None:
+    """Responses' flat function tools in the chat form templates know."""
+    if not tools:
+        return tools
+    out = []
+    for tool in tools:
+        if isinstance(tool, dict) and tool.get("type") == "function" and "function" not in tool:
+            function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters")}
+            out.append({"type": "function", "function": function})
+        else:
+            out.append(tool)
+    return out

@@ -1,0 +1,122 @@
+"""Reading a worker's server-sent events as they pass through the router.
+
+The router relays a stream event by event (a half event is held until it is whole), and
+watches it for what it needs: the first output (text, reasoning, a tool call or a finish;
+until then a failure can still be retried elsewhere), its usage (the realised cache hit
+ratio counts every answer), its end, and an error. Chat and completion streams
+(``data: {...}`` chunks, ``data: [DONE]``) and Responses API streams (``event: <type>``
+with ``data: {"type": ...}``, ending at ``response.completed``) are both read.
+
+Events after the first output are parsed only when they may carry usage or an error; the
+rest are counted as output, cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["SSEWatch", "has_output"]
+
+#: Responses API events that end a stream
+_FINAL_TYPES = frozenset({"response.completed", "response.incomplete"})
+_ERROR_TYPES = frozenset({"error", "response.failed"})
+
+
+class SSEWatch:
+    """Feed it the stream's bytes; it returns the whole events to pass on.
+
+    ``strip_usage``: the router asked for usage the client did not; the usage-only chunk
+    (``"choices": []``) is read and not passed on.
+    """
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage
+        self.buffer = b""
+        self.started = False  # an event with output has been seen
+        self.done = False
+        self.error = False
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> tuple[bytes, int]:
+        """The whole events completed by ``chunk`` that go on to the client, and how many
+        events with output were among them."""
+        buffer = self.buffer + chunk if self.buffer else chunk
+        out: list[bytes] = []
+        outputs = 0
+        start = 0
+        while True:
+            end = buffer.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buffer[start : end + 2]
+            start = end + 2
+            keep, output = self._event(event)
+            if keep:
+                out.append(event)
+            outputs += output
+        self.buffer = buffer[start:]
+        return b"".join(out), outputs
+
+    def _event(self, event: bytes) -> tuple[bool, bool]:
+        lines = event.split(b"\n")
+        data = b"\n".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
+        if not data:
+            return True, False
+        if data == b"[DONE]":
+            self.done = True
+            return True, False
+        named = lines[0].startswith(b"event:")
+        if self.started and b'"usage"' not in data and b'"error"' not in data:
+            # the common case once output flows: a delta, counted without parsing
+            return True, (not named or b".delta" in lines[0])
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            return True, False
+        if not isinstance(body, dict):
+            return True, False
+        if "error" in body and body.get("type") in (None, "error"):
+            self.error = True
+            return True, False
+        kind = body.get("type")
+        if isinstance(kind, str):  # the Responses API
+            if kind in _ERROR_TYPES:
+                self.error = True
+            elif kind in _FINAL_TYPES:
+                self.done = True
+                response = body.get("response")
+                if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+                    self.usage = response["usage"]
+            elif kind.startswith("response.") and kind.endswith(".delta"):
+                self.started = True
+                return True, True
+            return True, False
+        usage = body.get("usage")
+        choices = body.get("choices") or ()
+        if isinstance(usage, dict):
+            self.usage = usage
+            if self.strip_usage and not choices:
+                return False, False
+        if any(has_output(c) for c in choices):
+            self.started = True
+            return True, True
+        return True, False
+
+
+def has_output(choice: Any) -> bool:
+    """Whether a streamed choice carries output: text, reasoning, a tool call, or its end
+    (a stream that finishes with nothing generated has answered all the same)."""
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text") or choice.get("finish_reason"):
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return False
+    return bool(
+        delta.get("content")
+        or delta.get("tool_calls")
+        or delta.get("reasoning_content")
+        or delta.get("reasoning")
+    )

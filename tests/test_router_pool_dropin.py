@@ -1,0 +1,479 @@
+"""The worker pool against workers as vLLM runs them: LoRA adapters at /v1/models,
+data-parallel engines that publish KV events per rank, a worker that hangs, answers that
+come back whole. Each worker is a real HTTP server on loopback; events go over real ZMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvpool.hashing import HASH_ALGORITHM
+from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublisher
+from kvpool.router.discovery import WorkerEndpoint
+from kvpool.router.index import BlockIndex
+from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState, parse_load
+
+pytestmark = pytest.mark.timeout(30)
+
+SEED = "test-seed"
+BASE = "meta-llama/Llama-3.2-1B"
+
+
+def card(model_id: str, parent: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A model card as vLLM lists it: a LoRA adapter's ``parent`` and ``root`` name its base."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "owned_by": "vllm",
+        "root": parent or model_id,
+        "parent": parent,
+        "max_model_len": 2048,
+        **extra,
+    }
+
+
+def itl_metrics(*engines: tuple[float, float]) -> str:
+    """vLLM's inter-token latency histogram, one label set per engine: (sum, count)."""
+    lines = ["# TYPE vllm:inter_token_latency_seconds histogram"]
+    for i, (total, count) in enumerate(engines):
+        labels = f'engine="{i}",model_name="m"'
+        lines += [
+            f'vllm:inter_token_latency_seconds_bucket{{{labels},le="+Inf"}} {count}',
+            f"vllm:inter_token_latency_seconds_sum{{{labels}}} {total}",
+            f"vllm:inter_token_latency_seconds_count{{{labels}}} {count}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+class Worker:
+    """An HTTP server answering the paths the pool reads, as the test sets them."""
+
+    def __init__(self) -> None:
+        self.cards: list[dict[str, Any]] = [card(BASE)]
+        self.models_status = 200
+        self.info: dict[str, Any] | None = None  # None: no /kvpool/info (vLLM)
+        self.health = "ok"  # ok, 503, hang
+        self.metrics = ""
+        self.release = asyncio.Event()  # lets hung handlers go at the end
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    def kvpool(self, name: str, events: EventPublisher | None = None) -> None:
+        self.info = {
+            "served_model_name": name,
+            "engine": "sim",
+            "role": "both",
+            "block_size": 16,
+            "hash_seed": SEED,
+            "hash_algo": HASH_ALGORITHM,
+            "max_model_len": 2048,
+            "num_blocks": 1000,
+            "kv_events": None
+            if events is None
+            else {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint},
+            "kv_transfer_engine_id": "e0",
+            "version": "test",
+        }
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.health == "hang":
+            await self.release.wait()
+        return web.Response(status=503 if self.health == "503" else 200)
+
+    async def _info(self, request: web.Request) -> web.Response:
+        if self.info is None:
+            return web.Response(status=404)
+        return web.json_response(self.info)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.models_status != 200:
+            return web.json_response({"error": {"message": "no"}}, status=self.models_status)
+        return web.json_response({"object": "list", "data": self.cards})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics, content_type="text/plain")
+
+    async def start(self) -> Worker:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/kvpool/info", self._info)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class Attempt:
+    """What the router hangs on a worker while a request is on it."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+
+    def abort(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+Setup = Callable[..., Awaitable[tuple[WorkerPool, list[Worker]]]]
+
+
+@pytest.fixture
+async def pool_of() -> AsyncIterator[Setup]:
+    """``await pool_of(worker, ...)``: the workers started, a pool over them, all up."""
+    async with AsyncExitStack() as stack:
+
+        async def make(*workers: Worker, **config: Any) -> tuple[WorkerPool, list[Worker]]:
+            for w in workers:
+                await w.start()
+                stack.push_async_callback(w.stop)
+            client = aiohttp.ClientSession()
+            stack.push_async_callback(client.close)
+            values: dict[str, Any] = {
+                "block_size": 16,
+                "hash_seed": SEED,
+                "health_interval_s": 0.05,
+                "health_timeout_s": 0.3,
+                "scrape_interval_s": 0.05,
+                "models_interval_s": 0.1,
+                **config,
+            }
+            pool = WorkerPool(PoolConfig(**values), BlockIndex(), client)
+            stack.push_async_callback(pool.close)
+            pool.set_endpoints(
+                WorkerEndpoint(id=f"w{i}", url=w.url) for i, w in enumerate(workers, 1)
+            )
+            await eventually(
+                lambda: all(s.status == "up" for s in pool.workers.values()), "workers up"
+            )
+            return pool, list(workers)
+
+        yield make
+
+
+@pytest.fixture
+def publisher(make_publisher: Callable[..., EventPublisher]) -> EventPublisher:
+    return make_publisher()
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+    )
+
+
+def on_rank(rank: int | None, *events: BlockStored | BlockRemoved) -> EventBatch:
+    return EventBatch(events=list(events), ts=time.time(), data_parallel_rank=rank)
+
+
+# -- LoRA adapters and model lists ----------------------------------------------------------
+
+
+async def test_adapters_are_listed_with_their_base_and_the_pool_serves_the_union(
+    pool_of: Setup,
+) -> None:
+    vllm = Worker()
+    # An adapter listed before its base: the base is still the card without a parent.
+    vllm.cards = [card("sql-lora", parent=BASE), card(BASE)]
+    ours = Worker()
+    ours.kvpool("tiny-llama")
+    ours.cards = [card("tiny-llama", owned_by="kvpool")]
+    pool, _ = await pool_of(vllm, ours)
+
+    w1, w2 = pool.workers["w1"], pool.workers["w2"]
+    assert (w1.model, w1.models) == (BASE, {BASE, "sql-lora"})
+    assert (w2.model, w2.models) == ("tiny-llama", {"tiny-llama"})
+    assert w1.view(time.monotonic()).models == {BASE, "sql-lora"}
+    assert pool.models() == {BASE, "sql-lora", "tiny-llama"}
+    assert pool.adapters() == {"sql-lora"}
+    cards = pool.model_cards()
+    assert [c["id"] for c in cards] == sorted([BASE, "sql-lora", "tiny-llama"])
+    # Each as its worker sent it: the adapter's parent and root, the context length.
+    assert cards[[c["id"] for c in cards].index("sql-lora")] == card("sql-lora", parent=BASE)
+    assert cards[[c["id"] for c in cards].index("tiny-llama")]["owned_by"] == "kvpool"
+
+
+async def test_an_adapter_loaded_at_run_time_is_seen_within_the_models_interval(
+    pool_of: Setup,
+) -> None:
+    vllm = Worker()
+    pool, _ = await pool_of(vllm)
+    assert pool.adapters() == set()
+
+    vllm.cards = [card(BASE), card("chat-lora", parent=BASE)]  # POST /v1/load_lora_adapter
+    await eventually(lambda: pool.adapters() == {"chat-lora"}, "the new adapter")
+    assert pool.models() == {BASE, "chat-lora"}
+
+    vllm.cards = [card(BASE)]  # unloaded
+    await eventually(lambda: pool.adapters() == set(), "the adapter gone")
+
+    vllm.models_status = 500  # a failed read keeps what was known
+    await asyncio.sleep(0.3)
+    assert pool.models() == {BASE}
+
+
+async def test_kvpool_worker_without_a_model_list_serves_its_info_model(pool_of: Setup) -> None:
+    ours = Worker()
+    ours.kvpool("tiny-llama")
+    ours.models_status = 500
+    pool, _ = await pool_of(ours)
+
+    state = pool.workers["w1"]
+    assert (state.model, state.models) == ("tiny-llama", {"tiny-llama"})
+    assert [c["id"] for c in pool.model_cards()] == ["tiny-llama"]
+
+
+async def test_a_down_workers_models_are_not_served(pool_of: Setup) -> None:
+    a, b = Worker(), Worker()
+    b.cards = [card("other"), card("other-lora", parent="other")]
+    pool, _ = await pool_of(a, b)
+    assert pool.models() == {BASE, "other", "other-lora"}
+
+    pool.mark_down(pool.workers["w2"], "test")
+    assert pool.models() == {BASE}
+    assert pool.adapters() == set()
+    assert [c["id"] for c in pool.model_cards()] == [BASE]
+
+
+# -- data-parallel ranks ----------------------------------------------------------------
+
+
+async def test_ranks_of_one_worker_are_indexed_apart(
+    pool_of: Setup, publisher: EventPublisher
+) -> None:
+    dp = Worker()
+    dp.kvpool("tiny-llama", publisher)
+    pool, _ = await pool_of(dp)
+
+    publisher.publish(on_rank(0, stored(1, 2, 3)))
+    publisher.publish(on_rank(1, stored(1, 2, 3, 4)))
+    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (4, 1)}, "rank 1's blocks")
+    assert pool.ranks("w1") == [0, 1]
+    assert pool.indexed_blocks("w1") == 7
+
+    # Rank 1 evicts the prefix: rank 0 still holds it, and the worker keeps its credit.
+    publisher.publish(on_rank(1, BlockRemoved(block_hashes=[1, 2, 3, 4])))
+    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (3, None)}, "rank 0's blocks")
+
+    # vLLM's single engine says rank 0, others None: the same engine, the same cache.
+    publisher.publish(on_rank(None, BlockRemoved(block_hashes=[3])))
+    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (2, None)}, "rank 0 evicts")
+    assert pool.index.num_blocks("w1") == 2  # what /debug/workers shows for the worker
+
+
+async def test_equal_ranks_match_at_the_lowest_and_speculation_goes_to_the_chosen_rank(
+    pool_of: Setup, publisher: EventPublisher
+) -> None:
+    dp = Worker()
+    dp.kvpool("tiny-llama", publisher)
+    pool, _ = await pool_of(dp)
+    publisher.publish(on_rank(2, stored(7, 8)))
+    publisher.publish(on_rank(1, stored(7, 8)))
+    await eventually(lambda: pool.ranks("w1") == [0, 1, 2], "both ranks")
+    await eventually(lambda: pool.match([7, 8]) == {"w1": (2, 1)}, "rank 1's blocks")
+
+    assert pool.speculate("w1", [7, 8, 9], rank=2) == [9]
+    assert pool.match([7, 8, 9]) == {"w1": (3, 2)}
+    pool.withdraw("w1", [9], rank=2)
+    assert pool.match([7, 8, 9]) == {"w1": (2, 1)}
+    # A rank the router pins before the worker has published from it is indexed too.
+    assert pool.speculate("w1", [7], rank=3) == [7]
+    assert pool.ranks("w1") == [0, 1, 2, 3]
+
+
+async def test_going_down_drops_every_ranks_blocks(
+    pool_of: Setup, publisher: EventPublisher
+) -> None:
+    dp = Worker()
+    dp.kvpool("tiny-llama", publisher)
+    pool, _ = await pool_of(dp)
+    publisher.publish(on_rank(0, stored(1)))
+    publisher.publish(on_rank(1, stored(1, 2)))
+    await eventually(lambda: pool.match([1, 2]) == {"w1": (2, 1)}, "both ranks")
+
+    pool.clear_worker("w1")  # what a lost stretch of events does
+    assert pool.match([1, 2]) == {}
+    assert pool.ranks("w1") == [0, 1]
+
+    publisher.publish(on_rank(1, stored(1, 2)))
+    await eventually(lambda: pool.match([1, 2]) == {"w1": (2, 1)}, "rank 1 again")
+    pool.mark_down(pool.workers["w1"], "test")
+    assert pool.match([1, 2]) == {}
+    assert pool.ranks("w1") == [0]
+    assert pool.index.workers() == ["w1"]
+
+    pool.set_endpoints([])
+    assert pool.index.workers() == []
+    assert pool.ranks("w1") == []
+
+
+# -- speculation taken back ---------------------------------------------------------------
+
+
+async def test_a_failed_attempt_leaves_an_untracked_worker_no_cache_credit(
+    pool_of: Setup,
+) -> None:
+    pool, _ = await pool_of(Worker(), Worker())  # vLLM without events: approximate mode
+    assert pool.speculate("w1", [1, 2]) == [1, 2]
+    added = pool.speculate("w2", [1, 2, 3])
+    assert pool.match([1, 2, 3]) == {"w1": (2, None), "w2": (3, None)}
+
+    pool.withdraw("w2", added)  # the worker answered 429: it computed nothing
+    assert pool.match([1, 2, 3]) == {"w1": (2, None)}
+
+    # The worker may be gone by the time the attempt ends.
+    pool.set_endpoints([WorkerEndpoint(id="w1", url=pool.workers["w1"].url)])
+    assert pool.speculate("w2", [5]) == []
+    pool.withdraw("w2", added)
+    assert pool.match([1, 2, 3]) == {"w1": (2, None)}
+
+
+# -- attempts on a worker that goes down -----------------------------------------------------
+
+
+async def test_a_hung_worker_fails_its_health_check_and_its_attempts_are_aborted(
+    pool_of: Setup,
+) -> None:
+    hung, ok = Worker(), Worker()
+    pool, _ = await pool_of(hung, ok)
+    attempt, elsewhere = Attempt(), Attempt()
+    pool.workers["w1"].attempts.add(attempt)
+    pool.workers["w2"].attempts.add(elsewhere)
+
+    hung.health = "hang"  # SIGSTOP: the connection is accepted, nothing comes back
+    started = time.monotonic()
+    await eventually(lambda: bool(attempt.reasons), "the attempt aborted")
+    assert time.monotonic() - started < 2.0  # timeout 0.3 s, checks every 0.05 s
+    assert attempt.reasons == ["worker w1 down: /health: TimeoutError"]
+    assert pool.workers["w1"].status == "down"
+    assert elsewhere.reasons == []
+
+
+async def test_a_draining_worker_keeps_its_attempts_and_a_removed_one_aborts_them(
+    pool_of: Setup,
+) -> None:
+    worker = Worker()
+    pool, _ = await pool_of(worker)
+    attempt = Attempt()
+    pool.workers["w1"].attempts.add(attempt)
+
+    worker.health = "503"  # draining: it finishes what it has
+    await eventually(lambda: pool.workers["w1"].status == "unavailable", "503 seen")
+    assert attempt.reasons == []
+
+    pool.set_endpoints([])
+    assert attempt.reasons == ["worker w1 down: removed"]
+
+
+async def test_an_attempt_whose_abort_fails_does_not_spare_the_others(pool_of: Setup) -> None:
+    class Broken:
+        def abort(self, reason: str) -> None:
+            raise RuntimeError("router bug")
+
+    pool, _ = await pool_of(Worker())
+    state = pool.workers["w1"]
+    attempt = Attempt()
+    state.attempts |= {Broken(), attempt}
+    pool.mark_down(state, "connection failed")
+    assert attempt.reasons == ["worker w1 down: connection failed"]
+
+
+# -- learning from answers that are not streamed ------------------------------------------
+
+
+async def test_time_per_output_token_is_learned_from_the_scraped_histogram(
+    pool_of: Setup,
+) -> None:
+    worker = Worker()
+    worker.metrics = itl_metrics((1.0, 100), (1.0, 100))
+    pool, _ = await pool_of(worker)
+    state = pool.workers["w1"]
+    await eventually(lambda: state.itl_totals == (2.0, 200), "the first reading")
+    assert state.itl is None  # a total since the worker started says nothing of now
+
+    # 200 tokens over both engines took 1 s: 5 ms each.
+    worker.metrics = itl_metrics((1.5, 200), (1.5, 200))
+    await eventually(lambda: state.itl is not None, "the interval's mean")
+    assert state.itl == pytest.approx(0.005)
+
+
+def test_parse_load_reads_the_itl_histogram_beside_the_gauges() -> None:
+    text = itl_metrics((1.0, 100), (0.5, 50)) + "vllm:num_requests_waiting 3\n"
+    load = parse_load(text)
+    assert load["vllm:inter_token_latency_seconds_sum"] == 1.5
+    assert load["vllm:inter_token_latency_seconds_count"] == 150
+    assert load["vllm:num_requests_waiting"] == 3
+
+
+def test_streamed_gaps_average_with_weight_a_tenth() -> None:
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    state.observe_itl(0.01)
+    state.observe_itl(0.02)
+    state.observe_itl(float("nan"))
+    assert state.itl == pytest.approx(0.011)
+
+
+def test_whole_answers_teach_the_prefill_model_their_ttft_less_their_decode() -> None:
+    """A pool whose clients never stream still learns each worker's prefill rate."""
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    state.observe_itl(0.004)
+    rate, overhead = 20_000.0, 0.05  # the worker's true prefill
+    now = 0.0
+    for i in range(40):
+        tokens, out = 500 + 400 * (i % 7), 1 + 37 * (i % 5)
+        ticket = state.begin(tokens, 0.1, now)
+        elapsed = overhead + tokens / rate + (out - 1) * 0.004
+        ttft = state.finish_whole(ticket, now + elapsed, out)
+        assert ttft == pytest.approx(overhead + tokens / rate)
+        state.end(ticket)
+        now += 10.0
+    assert state.prefill.observations == 40
+    assert state.prefill.rate == pytest.approx(rate, rel=0.05)
+    assert state.prefill.overhead == pytest.approx(overhead, abs=0.01)
+    assert state.queued == {} and state.in_flight == 0
+
+
+def test_a_whole_answer_teaches_nothing_it_cannot_tell() -> None:
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    ticket = state.begin(1000, 0.1, 0.0)
+    assert state.finish_whole(ticket, 1.0, 10) is None  # no time per token known yet
+    state.observe_itl(0.01)
+    assert state.finish_whole(ticket, 1.0, None) is None  # the answer said no usage
+    assert state.finish_whole(ticket, 1.0, 0) is None
+    assert state.finish_whole(ticket, 1.0, 500) is None  # decode alone outlasts it
+    decode_leg = state.begin(1000, 0.1, 0.0, learn=False)
+    assert state.finish_whole(decode_leg, 1.0, 10) is None
+    streamed = state.begin(1000, 0.1, 0.0)
+    state.first_token(streamed, 0.2)
+    assert state.finish_whole(streamed, 1.0, 10) is None
+    assert state.prefill.observations == 1  # the streamed one's first token only
+
+    assert state.finish_whole(ticket, 1.0, 11) == pytest.approx(0.9)
+    assert state.finish_whole(ticket, 1.0, 11) is None  # once
+    assert state.prefill.observations == 2
