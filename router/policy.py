@@ -478,6 +478,7 @@ PD_REASONS = (
     "batch",  # several prompts in one request: the hand-off carries one
     "no_prefill_worker",  # no prefill worker can take it now: served whole
     "no_worker",  # no worker at all
+    "pinned",  # continues a stored response (previous_response_id): served by its worker
 )
 
 

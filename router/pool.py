@@ -703,16 +703,22 @@ class WorkerPool:
 
     def match(self, keys: list[int]) -> dict[str, tuple[int, int | None]]:
         """Per worker holding the prompt's first block: the leading blocks held by its rank
-        that holds the most, and that rank (None for rank 0, the worker's plain id; a tie
-        goes to the lower rank)."""
+        that holds the most, and that rank (None for a worker with one rank; a tie goes to
+        the lower rank). A worker with several ranks names rank 0 too: vLLM's own
+        balancer would otherwise be free to send the request to another rank."""
         raw = self.index.match(keys)
         rank_of = self._rank_of
         if not rank_of:
             return {wid: (n, None) for wid, n in raw.items()}
+        workers = self.workers
         out: dict[str, tuple[int, int | None]] = {}
         for iid, n in raw.items():
             owner = rank_of.get(iid)
-            wid, rank = (iid, None) if owner is None else owner
+            if owner is None:
+                state = workers.get(iid)
+                wid, rank = iid, (0 if state is not None and state.dp_ranks else None)
+            else:
+                wid, rank = owner
             best = out.get(wid)
             if best is None or n > best[0] or (n == best[0] and (rank or 0) < (best[1] or 0)):
                 out[wid] = (n, rank)

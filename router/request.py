@@ -66,6 +66,8 @@ class RoutingFields:
     #: the type of the first content part the router cannot tokenize, if any
     media: str | None = None
     kv_transfer_params: bool = False
+    #: Responses API: the stored response this request continues
+    previous_response_id: str | None = None
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -137,6 +139,7 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
     else:
         fields.messages, fields.media = _responses_input(obj)
+        fields.previous_response_id = _opt(obj, "previous_response_id", str, "a string")
         tools = _tools(_responses_tools(_opt(obj, "tools", list, "a list")))
         fields.add_special_tokens = False
     kwargs: dict[str, Any] = dict(_opt(obj, "chat_template_kwargs", dict, "an object") or {})

@@ -68,6 +68,12 @@ INLINE_PROMPT_SIZE = 4000
 PASSED_HEADERS = ("content-type", "retry-after")
 #: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
 MAX_REQUEST_ID = 256
+#: what a tokenizer raises for text it cannot encode (a lone surrogate, say): no cache
+#: credit, and the worker says what is wrong with it
+_UNTOKENIZABLE = (TypeError, ValueError, UnicodeError)
+#: the client's headers passed on to the worker: tracing context, and its credentials
+#: when the router has none of its own for the workers (--worker-api-key)
+FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
 #: vLLM's header that sends a request to one data-parallel rank of a pod
 DP_RANK_HEADER = "X-data-parallel-rank"
 #: the endpoints routed by the prompt, by path
@@ -100,6 +106,11 @@ class Routed:
     credit_note: str | None = None
     #: worker -> the data-parallel rank holding its match, from the last lookup
     ranks: dict[str, int] = field(default_factory=dict)
+    kind: Kind = "completion"
+    #: the client's headers passed on (FORWARDED_HEADERS)
+    headers: dict[str, str] = field(default_factory=dict)
+    #: the worker that stored the response this one continues (previous_response_id)
+    pin: str | None = None
 
 
 @dataclass
@@ -164,6 +175,10 @@ class Router:
             approx_capacity_blocks=s.approx_capacity_blocks,
         )
         self.sessions = SessionAffinity(s.session_capacity, s.session_ttl_s)
+        # Responses API ids -> the worker that stored them: vLLM keeps a stored response in
+        # its process, so a request continuing it (previous_response_id) must go there.
+        self.responses = SessionAffinity(s.session_capacity, s.session_ttl_s)
+        self._forwarded = FORWARDED_HEADERS + (("authorization",) if not s.worker_api_key else ())
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
@@ -193,6 +208,8 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s),
             auto_decompress=False,  # bodies are passed on as the worker sent them
             skip_auto_headers=("User-Agent",),
+            # vLLM started with --api-key wants it on /v1/* (its model list too)
+            headers={"Authorization": f"Bearer {s.worker_api_key}"} if s.worker_api_key else None,
         )
         self.pool = WorkerPool(
             s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
@@ -401,6 +418,10 @@ class Router:
     async def passthrough(self, request: Request) -> Response:
         """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy
         worker of the model, as they are; another worker if that one cannot be reached."""
+        if self.draining:
+            raise OpenAIError(
+                503, "the router is shutting down", type="service_unavailable", code="draining"
+            )
         body = await self._body(request)
         obj = parse_body(body)
         model = obj.get("model")
@@ -418,6 +439,7 @@ class Router:
             key=lambda s: s.in_flight,
         )[: self.settings.max_attempts]
         headers = {"content-type": "application/json", "x-request-id": self._request_id(request)}
+        headers.update({k: v for k in self._forwarded if (v := request.headers.get(k)) is not None})
         assert self.upstream is not None
         failures = []
         for state in candidates:
@@ -569,16 +591,20 @@ class Router:
         adapter = model if model is not None and model in self._pool().adapters() else None
         num_tokens, keys, note = await self._tokens_and_keys(fields, adapter)
         strip_usage = False
-        if fields.stream and not fields.include_usage and kind != "responses":
+        options = obj.get("stream_options") or {}
+        if fields.stream and kind != "responses" and options.get("include_usage") in (None, False):
             # The bookkeeping exception: every stream's usage counts in the realised hit
             # ratio, so the router asks for it, and keeps it from a client that did not.
-            options = dict(obj.get("stream_options") or {})
-            options["include_usage"] = True
+            options = {**options, "include_usage": True}
             options.pop("continuous_usage_stats", None)
             obj["stream_options"] = options
-            body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            body = json.dumps(obj, separators=(",", ":")).encode()
             strip_usage = True
         session = request.headers.get(self.settings.session_header) or fields.user
+        forwarded = {k: v for k in self._forwarded if (v := request.headers.get(k)) is not None}
+        pin = (
+            self.responses.get(fields.previous_response_id) if fields.previous_response_id else None
+        )
         return Routed(
             request_id=request_id,
             path=WORKER_PATHS[kind],
@@ -591,6 +617,9 @@ class Router:
             strip_usage=strip_usage,
             session=session or None,
             credit_note=note,
+            kind=kind,
+            headers=forwarded,
+            pin=pin,
         )
 
     async def _tokens_and_keys(
@@ -622,9 +651,14 @@ class Router:
             first = fields.prompts[0]  # a batch of prompts goes to one worker, routed by it
 
             def work() -> tuple[int, list[int], str | None]:
-                tokens = (
-                    encode(first, fields.add_special_tokens) if isinstance(first, str) else first
-                )
+                try:
+                    tokens = (
+                        encode(first, fields.add_special_tokens)
+                        if isinstance(first, str)
+                        else first
+                    )
+                except _UNTOKENIZABLE as exc:
+                    return 0, [], f"no cache credit: the prompt does not tokenize ({exc})"
                 tokens = truncated(tokens)
                 return len(tokens), keys_of(tokens), None
 
@@ -646,13 +680,16 @@ class Router:
             except ValueError as exc:  # the worker says what is wrong; no credit meanwhile
                 return 0, [], f"no cache credit: {exc}"
             special = fields.add_special_tokens
-            if fields.media is None:
-                tokens = truncated(encode(text, special))
-                return len(tokens), keys_of(tokens), None
-            cut = text.find(MEDIA_SENTINEL)
-            whole = encode(text.replace(MEDIA_SENTINEL, ""), special)
-            # The last token before the part may merge with what stands there for it.
-            head = encode(text[:cut], special)[:-1] if cut > 0 else []
+            try:
+                if fields.media is None:
+                    tokens = truncated(encode(text, special))
+                    return len(tokens), keys_of(tokens), None
+                cut = text.find(MEDIA_SENTINEL)
+                whole = encode(text.replace(MEDIA_SENTINEL, ""), special)
+                # The last token before the part may merge with what stands there for it.
+                head = encode(text[:cut], special)[:-1] if cut > 0 else []
+            except _UNTOKENIZABLE as exc:
+                return 0, [], f"no cache credit: the messages do not tokenize ({exc})"
             note = (
                 f"cache credit only for the {len(head)} tokens before the first {fields.media} part"
             )
@@ -683,6 +720,16 @@ class Router:
             dry_run=dry_run,
         )
 
+    def _pinned(self, routed: Routed) -> Plan:
+        """A request continuing a stored response goes to the worker that stored it (the
+        others do not have it), whole, while that worker can take it."""
+        views = [v for v in self._pool().views() if v.id == routed.pin]
+        decision = self.planner.aggregated.decide(self._route_request(routed), views)
+        if decision.worker is None:  # gone: another worker answers (404, most likely)
+            return self._plan(routed)
+        decision.reason = "pinned"
+        return Plan("aggregated", "pinned", routed.num_tokens - decision.cached_tokens, decision)
+
     def _decide(
         self, routed: Routed, exclude: set[str], *, leg: str = "aggregated", dry_run: bool = False
     ) -> Decision:
@@ -700,7 +747,7 @@ class Router:
         """Plan the request's way (whole, or split), then serve it."""
         metrics = self._metrics()
         t0 = time.perf_counter()
-        plan = self._plan(routed)
+        plan = self._plan(routed) if routed.pin is None else self._pinned(routed)
         metrics.decision_latency.observe(time.perf_counter() - t0)
         metrics.pd_reason[plan.reason].inc()
         if plan.worker is not None:
@@ -885,7 +932,7 @@ class Router:
             state.decisions[decision.reason] += 1
             if attempt and log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s: prefill %s", routed.request_id, decision.explain())
-            pool.speculate(state.id, routed.keys)
+            speculated = pool.speculate(state.id, routed.keys)
             now = time.monotonic()
             ticket = state.begin(
                 routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
@@ -897,6 +944,7 @@ class Router:
                 answer = await self._prefill_leg(state, routed, body, leg_deadline)
                 state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
             except _Failed as exc:
+                pool.withdraw(state.id, speculated)
                 last = exc
                 metrics.prefill_failures.labels(exc.reason).inc()
                 log.warning(
@@ -992,6 +1040,7 @@ class Router:
         pool = self._pool()
         now = time.monotonic()
         sent = {"content-type": "application/json", "x-request-id": routed.request_id}
+        sent.update(routed.headers)
         if headers:
             sent.update(headers)
         try:
@@ -1020,10 +1069,12 @@ class Router:
             return resp
         # Retried elsewhere: the worker said nothing the client has seen yet.
         text = ""
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-            async with asyncio.timeout(1.0):
-                text = (await resp.read()).decode(errors="replace")[:300]
-        resp.release()
+        try:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    text = (await resp.read()).decode(errors="replace")[:300]
+        finally:
+            resp.release()
         if resp.status == 429:
             raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
         # Not charged to the breaker yet: a request that fails on every worker is more
@@ -1084,12 +1135,19 @@ class Router:
         attempt.committed = True
         now = time.monotonic()
         ok = resp.status < 400
-        usage = _usage_of(content) if ok else None
+        answer = _answer_of(content) if ok else {}
+        usage = answer.get("usage")
+        usage = usage if isinstance(usage, dict) else None
         if ok:
             completion = (
                 usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
             )
+            choices = answer.get("choices")
+            if isinstance(completion, int) and isinstance(choices, list) and len(choices) > 1:
+                completion //= len(choices)  # n choices decode side by side
             state.finish_whole(ticket, now, completion if isinstance(completion, int) else None)
+            if routed.kind == "responses" and isinstance(answer.get("id"), str):
+                self.responses.remember(answer["id"], state.id)
         state.end(ticket)
         metrics.requests.labels("success" if ok else "client_error").inc()
         if ok:
@@ -1113,12 +1171,13 @@ class Router:
             metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
 
 
-def _usage_of(content: bytes) -> dict[str, Any] | None:
+def _answer_of(content: bytes) -> dict[str, Any]:
+    """A whole answer's JSON object (empty when it is not one)."""
     try:
-        usage = json.loads(content).get("usage")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    return usage if isinstance(usage, dict) else None
+        answer = json.loads(content)
+    except (ValueError, RecursionError):
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 @dataclass
@@ -1163,19 +1222,20 @@ class _Relay:
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             raise _Failed("ttft_timeout", "no first token before the time limit", 504) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            state.breaker.on_failure(time.monotonic())
+        except (aiohttp.ClientError, OSError) as exc:  # charged once another worker answers
             raise _Failed(
                 "no_token", f"stream lost before its first token ({type(exc).__name__})"
             ) from None
+        self.head = b"".join(head)
         if not events.started:
+            if events.client_error:  # the worker refused the request: its answer, as sent
+                return
             what = "an error" if events.error else "no output"
             raise _Failed("no_token", f"the stream ended with {what} before its first token")
         now = time.monotonic()
         self.router._metrics().ttft.observe(now - self.arrival)
         state.first_token(self.ticket, now)
         self.last_token = now
-        self.head = b"".join(head)
 
     async def close(self) -> None:
         if self.closed:
@@ -1193,6 +1253,8 @@ class _Relay:
             metrics.e2e.observe(time.monotonic() - self.arrival)
         if self.count_usage and self.events.usage is not None:
             self.router._observe_usage(self.events.usage)
+        if self.events.response_id is not None:
+            self.router.responses.remember(self.events.response_id, self.state.id)
 
     async def stream(self) -> AsyncIterator[bytes]:
         router, state, events = self.router, self.state, self.events
@@ -1220,7 +1282,9 @@ class _Relay:
             if not events.done:  # the worker closed the stream without its end
                 self.outcome = "stream_error"
                 state.breaker.on_failure(time.monotonic())
-                yield _sse_error(f"worker {state.id} ended the stream early", "worker_failed")
+                yield _sse_error("the worker ended the stream early", "worker_failed")
+            elif events.client_error:
+                self.outcome = "client_error"
             else:
                 self.outcome = "stream_error" if events.error else "success"
                 state.breaker.on_success()
@@ -1235,9 +1299,7 @@ class _Relay:
             log.warning(
                 "request %s: worker %s failed mid-stream: %s", self.routed.request_id, state.id, exc
             )
-            yield _sse_error(
-                f"worker {state.id} failed mid-stream: {type(exc).__name__}", "worker_failed"
-            )
+            yield _sse_error(f"the worker failed mid-stream: {type(exc).__name__}", "worker_failed")
         finally:
             await self.close()
 

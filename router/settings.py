@@ -34,6 +34,9 @@ class RouterSettings(BaseModel):
     # Where a discovered worker publishes KV events, for workers without /kvpool/info (vLLM)
     worker_events_port: int | None = Field(None, ge=1, le=65535)
     worker_replay_port: int | None = Field(None, ge=1, le=65535)
+    # sent as "Authorization: Bearer ..." to the workers (vLLM's --api-key); without it,
+    # a client's own Authorization header is passed on
+    worker_api_key: str | None = None
     # hashing: must be the workers'
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
     hash_seed: str = DEFAULT_HASH_SEED

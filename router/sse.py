@@ -36,7 +36,16 @@ class SSEWatch:
         self.started = False  # an event with output has been seen
         self.done = False
         self.error = False
+        #: an error event's HTTP status (its ``code``), when it gave one: 4xx is the client's
+        self.error_status: int | None = None
         self.usage: dict[str, Any] | None = None
+        #: a Responses API stream's response id (``previous_response_id`` of a later turn)
+        self.response_id: str | None = None
+
+    @property
+    def client_error(self) -> bool:
+        """The stream carried an error the worker marked as the client's (a 4xx code)."""
+        return self.error and self.error_status is not None and 400 <= self.error_status < 500
 
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """The whole events completed by ``chunk`` that go on to the client, and how many
@@ -78,14 +87,21 @@ class SSEWatch:
             return True, False
         if "error" in body and body.get("type") in (None, "error"):
             self.error = True
+            error = body["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            if isinstance(code, int) and not isinstance(code, bool):
+                self.error_status = code
             return True, False
         kind = body.get("type")
         if isinstance(kind, str):  # the Responses API
+            response = body.get("response")
+            if isinstance(response, dict) and isinstance(response.get("id"), str):
+                self.response_id = self.response_id or response["id"]
             if kind in _ERROR_TYPES:
                 self.error = True
             elif kind in _FINAL_TYPES:
-                self.done = True
-                response = body.get("response")
+                # an answer, even one with no delta: it has ended as the worker meant it to
+                self.done = self.started = True
                 if isinstance(response, dict) and isinstance(response.get("usage"), dict):
                     self.usage = response["usage"]
             elif kind.startswith("response.") and kind.endswith(".delta"):

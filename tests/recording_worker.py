@@ -120,6 +120,7 @@ class RecordingWorker:
         self.tokens = 4
         self.token_interval = 0.05
         self.delay_headers = 0.0
+        self.error_code = 500  # the code of the "error_event" mode's error (4xx: the client's)
         self.health_status = 200
         self.gate = threading.Event()
         self.block_size = 16
@@ -154,24 +155,7 @@ class RecordingWorker:
                 Route("/{path:path}", self._not_found, methods=_ALL_METHODS),
             ]
         )
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_level="critical",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="recording-worker", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the recording worker did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server, self.thread, self.port = serve_in_thread(app, "recording-worker")
         self.url = f"http://127.0.0.1:{self.port}"
 
     # -- for tests ----------------------------------------------------------------------------
@@ -654,9 +638,33 @@ class RecordingWorker:
             data = {"type": "error", "code": "500", "message": message, "param": None}
             yield f"event: error\ndata: {json.dumps(data)}\n\n".encode()
             return
-        error = {"message": message, "type": "InternalServerError", "param": None, "code": 500}
+        kind = "BadRequestError" if self.error_code < 500 else "InternalServerError"
+        error = {"message": message, "type": kind, "param": None, "code": self.error_code}
         yield _sse({"error": error})
         yield b"data: [DONE]\n\n"
+
+
+def serve_in_thread(app: Any, name: str) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve an ASGI app on 127.0.0.1 (a free port) in a daemon thread; returns the server
+    (``should_exit`` stops it), its thread and its port once it accepts connections."""
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="critical",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=1,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the {name} did not start")
+        time.sleep(0.01)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
 
 
 class _Collector(Collector):

@@ -69,6 +69,19 @@ def recording(
         worker.stop()
 
 
+def _one(
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+    model: Path,
+    **settings: Any,
+) -> tuple[RecordingWorker, RunningRouter]:
+    """Worker "a" behind a router."""
+    worker = recording(model.name)
+    router = start_router(model=str(model), worker=[worker.spec("a")], **settings)
+    router.wait_workers_up(1)
+    return worker, router
+
+
 def _pair(
     recording: Callable[..., RecordingWorker],
     start_router: Callable[..., RunningRouter],
@@ -234,9 +247,7 @@ def test_an_image_gives_cache_credit_only_for_the_text_before_it(
     recording: Callable[..., RecordingWorker],
     start_router: Callable[..., RunningRouter],
 ) -> None:
-    worker = recording(llama_dir.name)
-    router = start_router(worker=[worker.spec("a")])
-    router.wait_workers_up(1)
+    _worker, router = _one(recording, start_router, llama_dir)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     text_only = {"messages": [{"role": "user", "content": LONG}]}
     with_image = {
@@ -401,9 +412,7 @@ def test_a_clients_mistake_never_opens_a_workers_breaker(
     recording: Callable[..., RecordingWorker],
     start_router: Callable[..., RunningRouter],
 ) -> None:
-    worker = recording(llama_dir.name)
-    router = start_router(worker=[worker.spec("a")])
-    router.wait_workers_up(1)
+    _worker, router = _one(recording, start_router, llama_dir)
     body = {"model": llama_dir.name, "prompt": LONG, "max_tokens": 4}
 
     for _ in range(4):
@@ -426,9 +435,7 @@ def test_nested_or_cut_off_bodies_answer_4xx_and_log_no_traceback(
     start_router: Callable[..., RunningRouter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    worker = recording(llama_dir.name)
-    router = start_router(worker=[worker.spec("a")])
-    router.wait_workers_up(1)
+    worker, router = _one(recording, start_router, llama_dir)
     nested = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     caplog.set_level(logging.INFO)
 
@@ -494,9 +501,7 @@ def test_the_hit_ratio_counts_streams_whose_clients_did_not_ask_for_usage(
     recording: Callable[..., RecordingWorker],
     start_router: Callable[..., RunningRouter],
 ) -> None:
-    worker = recording(llama_dir.name)
-    router = start_router(worker=[worker.spec("a")])
-    router.wait_workers_up(1)
+    worker, router = _one(recording, start_router, llama_dir)
 
     for i in range(6):
         prompt = LONG + f" question {i} " * (i + 1)
@@ -527,9 +532,7 @@ def test_answers_that_are_not_streamed_teach_the_prefill_model(
     recording: Callable[..., RecordingWorker],
     start_router: Callable[..., RunningRouter],
 ) -> None:
-    worker = recording(llama_dir.name)
-    router = start_router(worker=[worker.spec("a")])
-    router.wait_workers_up(1)
+    worker, router = _one(recording, start_router, llama_dir)
     state = router.router.pool.workers["a"]
     state.observe_itl(0.001)  # its time per token, as streams or its metrics would tell
     worker.delay_headers = 0.05  # a prefill that takes time
@@ -624,7 +627,7 @@ def test_the_rank_holding_the_prefix_gets_the_request_by_vllms_header(
     # a removal on rank 1 leaves rank 0's block: credit falls to rank 0's one block
     publish(BlockRemoved(block_hashes=keys), 1)
     router.wait_for(lambda: router.route({"prompt": LONG})["cached_tokens"] == 16)
-    assert router.route({"prompt": LONG})["data_parallel_rank"] is None
+    assert router.route({"prompt": LONG})["data_parallel_rank"] == 0  # named: the pod has two ranks
 
     publish(stored(len(keys)), 1)
     router.wait_for(lambda: router.route({"prompt": LONG})["data_parallel_rank"] == 1)
@@ -661,3 +664,100 @@ def test_a_session_stays_on_its_worker_and_the_decision_says_why(
     ).json()
     scores = {c["worker"]: c["scores"].get("affinity") for c in explained["candidates"]}
     assert sorted(scores.values()) == [0.0, 1.0]
+
+
+# -- what the review found ---------------------------------------------------------------------
+
+
+def test_a_prompt_that_does_not_tokenize_is_forwarded_without_credit_not_a_500(
+    llama_dir: Path,
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker, router = _one(recording, start_router, llama_dir)
+    # a lone surrogate is valid JSON, and no tokenizer encodes it
+    raw = b'{"prompt": "hi \\ud800 there", "max_tokens": 2, "stream": true, "stop": ["\\ud800"]}'
+
+    resp = httpx.post(
+        router.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+
+    assert resp.status_code == 200, resp.text
+    (got,) = worker.generation_requests()
+    assert got.json["prompt"] == "hi \ud800 there"  # what the client sent, for the worker
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_refusal_the_worker_sends_inside_its_stream_reaches_the_client_as_sent(
+    llama_dir: Path,
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    a, b, router = _pair(recording, start_router, llama_dir)
+    for worker in (a, b):
+        worker.mode, worker.error_code = "error_event", 400
+    body = {"model": llama_dir.name, "prompt": LONG, "stream": True, "max_tokens": 4}
+
+    status, events = stream(router.url + "/v1/completions", body)
+
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[0])["error"]["code"] == 400  # the worker's, not a 502
+    assert len(a.generation_requests()) + len(b.generation_requests()) == 1  # not retried
+    assert router.metric("kvpool_router_requests_total", outcome="client_error") == 1
+
+
+def test_a_stored_response_is_continued_on_the_worker_that_stored_it(
+    llama_dir: Path,
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    a, b = recording(llama_dir.name), recording(llama_dir.name)
+    router = start_router(worker=[a.spec("a"), b.spec("b")], policy="round-robin")
+    router.wait_workers_up(2)
+    url = router.url + "/v1/responses"
+
+    for streamed in (False, True):
+        first = {"model": llama_dir.name, "input": "hello there", "stream": streamed}
+        resp = httpx.post(url, json=first, timeout=10)
+        worker = resp.headers["x-kvpool-worker"]
+        if streamed:
+            created = json.loads(sse_lines(resp.text)[0])
+            response_id = created["response"]["id"]
+        else:
+            response_id = resp.json()["id"]
+        for turn in range(3):  # round-robin would alternate: the stored response decides
+            follow = {"model": llama_dir.name, "input": f"and {turn}?",
+                      "previous_response_id": response_id}  # fmt: skip
+            again = httpx.post(url, json=follow, timeout=10)
+            assert again.status_code == 200
+            assert again.headers["x-kvpool-worker"] == worker
+
+
+def test_credentials_and_trace_context_reach_the_workers(
+    llama_dir: Path,
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    passing, keyed = recording(llama_dir.name), recording(llama_dir.name)
+    plain = start_router(worker=[passing.spec("a")])
+    with_key = start_router(worker=[keyed.spec("a")], worker_api_key="sk-workers")
+    body = {"prompt": LONG, "max_tokens": 2}
+    for router in (plain, with_key):
+        router.wait_workers_up(1)
+        headers = {**trace, "authorization": "Bearer sk-client"}
+        assert httpx.post(router.url + "/v1/completions", json=body, headers=headers).is_success
+
+    (got,) = passing.generation_requests()
+    assert got.headers["authorization"] == "Bearer sk-client"  # no key of its own: the client's
+    assert got.headers["traceparent"] == trace["traceparent"]
+    (got,) = keyed.generation_requests()
+    assert got.headers["authorization"] == "Bearer sk-workers"
+    assert got.headers["traceparent"] == trace["traceparent"]
+    # the worker's model list and health are asked with the key too (vLLM's --api-key)
+    assert all(
+        r.headers.get("authorization") == "Bearer sk-workers"
+        for r in keyed.requests
+        if r.path in ("/v1/models", "/health")
+    )

@@ -279,11 +279,11 @@ async def test_ranks_of_one_worker_are_indexed_apart(
 
     # Rank 1 evicts the prefix: rank 0 still holds it, and the worker keeps its credit.
     publisher.publish(on_rank(1, BlockRemoved(block_hashes=[1, 2, 3, 4])))
-    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (3, None)}, "rank 0's blocks")
+    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (3, 0)}, "rank 0's blocks")
 
     # vLLM's single engine says rank 0, others None: the same engine, the same cache.
     publisher.publish(on_rank(None, BlockRemoved(block_hashes=[3])))
-    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (2, None)}, "rank 0 evicts")
+    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (2, 0)}, "rank 0 evicts")
     assert pool.index.num_blocks("w1") == 2  # what /debug/workers shows for the worker
 
 

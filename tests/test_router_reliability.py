@@ -23,13 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from conftest import RunningRouter
+from recording_worker import serve_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,24 +67,7 @@ class FakeWorker:
                 Route("/v1/completions", self._completions, methods=["POST"]),
             ]
         )
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_level="critical",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="fake-worker", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the fake worker did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server, self.thread, self.port = serve_in_thread(app, "fake-worker")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def spec(self, worker_id: str) -> str:

@@ -114,3 +114,19 @@ def test_debug_route_tells_a_completion_that_mentions_messages_from_a_chat(
     decision = router.route({"prompt": "messages"})  # the word, in a completion's prompt
     assert decision["num_tokens"] > 0 and decision["worker"] is None
     assert router.route({"messages": [{"role": "user", "content": "hi"}]})["num_tokens"] > 0
+
+
+def test_a_responses_stream_that_completes_without_a_delta_has_answered() -> None:
+    watch = SSEWatch()
+    completed = {"type": "response.completed", "response": {"id": "resp_1", "usage": {}}}
+    watch.feed(b"event: response.completed\n" + event(completed))
+    assert watch.started and watch.done and watch.response_id == "resp_1"
+
+
+def test_an_error_event_with_a_4xx_code_is_the_clients() -> None:
+    watch = SSEWatch()
+    watch.feed(event({"error": {"message": "bad schema", "type": "BadRequestError", "code": 400}}))
+    assert watch.client_error
+    other = SSEWatch()
+    other.feed(event({"error": {"message": "engine dead", "type": "server_error", "code": 500}}))
+    assert other.error and not other.client_error
