@@ -399,12 +399,15 @@ class WorkerPool:
 
     # -- health and registration ----------------------------------------------------------
 
-    def mark_down(self, state: WorkerState, why: str) -> None:
-        """Out of rotation now, its index entries dropped (its cache went with it), and
-        the attempts in flight on it aborted: a hung worker answers them never."""
+    def mark_down(self, state: WorkerState, why: str, *, dead: bool = False) -> None:
+        """Out of rotation now and its index entries dropped (its cache went with it). The
+        attempts in flight on it are aborted (a hung worker answers them never) when it is
+        ``dead`` (its connections are refused) or fails a second check in a row: one slow
+        health check of a busy worker must not send all its requests to the others."""
         if self.workers.get(state.id) is not state:
             return  # removed, or replaced under the same id: that one is not down
-        if state.status != "down":
+        was_down = state.status == "down"
+        if not was_down:
             log.warning("worker %s is down: %s", state.id, why)
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
         state.itl_totals = None  # a restarted worker counts from zero again
@@ -415,7 +418,8 @@ class WorkerPool:
             self._drop_rank(state, rank)
         if state.id in self.index:
             self.index.clear_worker(state.id)
-        self._abort_attempts(state, why)
+        if dead or was_down:
+            self._abort_attempts(state, why)
 
     @staticmethod
     def _abort_attempts(state: WorkerState, why: str) -> None:
@@ -445,7 +449,10 @@ class WorkerPool:
         try:
             status, _ = await self._get(state.url + "/health")
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            self.mark_down(state, f"/health: {type(exc).__name__} {exc}".strip())
+            refused = isinstance(exc, aiohttp.ClientConnectorError) and not isinstance(
+                exc, aiohttp.ServerTimeoutError
+            )
+            self.mark_down(state, f"/health: {type(exc).__name__} {exc}".strip(), dead=refused)
             return
         if status == 200:
             if state.status != "up":

@@ -1059,7 +1059,7 @@ class Router:
             raise _Failed(reason, "no answer before the time limit", 504) from None
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
-            pool.mark_down(state, f"connection failed: {exc.os_error}")
+            pool.mark_down(state, f"connection failed: {exc.os_error}", dead=True)
             raise _Failed("connect", "connection refused") from None
         except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())

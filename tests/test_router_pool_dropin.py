@@ -400,8 +400,22 @@ async def test_an_attempt_whose_abort_fails_does_not_spare_the_others(pool_of: S
     state = pool.workers["w1"]
     attempt = Attempt()
     state.attempts |= {Broken(), attempt}
-    pool.mark_down(state, "connection failed")
+    pool.mark_down(state, "connection failed", dead=True)
     assert attempt.reasons == ["worker w1 down: connection failed"]
+
+
+async def test_one_failed_health_check_takes_a_worker_out_but_aborts_nothing(
+    pool_of: Setup,
+) -> None:
+    pool, _ = await pool_of(Worker())
+    state = pool.workers["w1"]
+    attempt = Attempt()
+    state.attempts.add(attempt)
+
+    pool.mark_down(state, "/health: TimeoutError")  # a busy worker, slow to answer once
+    assert state.status == "down" and attempt.reasons == []
+    pool.mark_down(state, "/health: TimeoutError")  # again: it is hung
+    assert attempt.reasons == ["worker w1 down: /health: TimeoutError"]
 
 
 # -- learning from answers that are not streamed ------------------------------------------
