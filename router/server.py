@@ -782,8 +782,10 @@ class Router:
     ) -> Response:
         """Send the request (whole, or a split's decode leg) to the worker of ``first`` or,
         failing that, to others in turn, and answer the client with what one of them says.
-        ``deadline``: no attempt starts after it, and none waits past it for its first
-        token (a stream) or its answer."""
+        ``deadline``, for a whole answer: no attempt starts after it, and none waits past it.
+        A stream's attempts each wait ``first_token_timeout_s`` for their first token: a
+        worker that hangs while its health check still answers (a stuck engine behind a live
+        API server) loses the request to another worker, not the client."""
         s = self.settings
         metrics = self._metrics()
         pool = self._pool()
@@ -795,7 +797,7 @@ class Router:
         for attempt_no in range(s.max_attempts):
             if attempt_no:
                 await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt_no - 1), 1.0))
-                if time.monotonic() >= deadline:
+                if not routed.stream and time.monotonic() >= deadline:
                     break  # the request's time is spent: no other worker gets it
             if attempt_no == 0 and first is not None:
                 decision = first
@@ -828,12 +830,13 @@ class Router:
             tried.add(state.id)
             attempt = _Attempt()
             state.attempts.add(attempt)
+            limit = now + s.first_token_timeout_s if routed.stream else deadline
             try:
                 extra = {DP_RANK_HEADER: str(rank)} if rank is not None else None
                 resp = await self._send(
                     state,
                     routed,
-                    deadline,
+                    limit,
                     body=leg.body if leg is not None else None,
                     headers=extra,
                 )
@@ -845,7 +848,7 @@ class Router:
                     routed,
                     resp,
                     arrival,
-                    deadline,
+                    limit,
                     attempt,
                     headers=headers,
                     count_usage=leg is None,

@@ -761,3 +761,25 @@ def test_credentials_and_trace_context_reach_the_workers(
         for r in keyed.requests
         if r.path in ("/v1/models", "/health")
     )
+
+
+def test_a_stream_stuck_behind_a_live_health_check_goes_to_another_worker(
+    llama_dir: Path,
+    recording: Callable[..., RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    # a stuck engine behind an API server that still answers /health: only the
+    # time-to-first-token limit can tell, and it is the attempt's, not the request's
+    a, b, router = _pair(recording, start_router, llama_dir, first_token_timeout_s=1.0)
+    a.mode = "stall"
+    body = {"model": llama_dir.name, "prompt": LONG, "stream": True, "max_tokens": 4}
+
+    t0 = time.monotonic()
+    status, events = stream(router.url + "/v1/completions", body)
+
+    assert status == 200 and events[-1] == "[DONE]"
+    assert not any("error" in json.loads(e) for e in events[:-1])
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+    assert len(a.generation_requests()) == 1 and len(b.generation_requests()) == 1
+    assert router.metric("kvpool_router_retries_total", reason="ttft_timeout") == 1
+    assert router.workers()["a"]["status"] == "up"  # its health check never failed
