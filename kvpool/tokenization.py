@@ -49,12 +49,18 @@ def load_tokenizer(model_dir: str | Path) -> Any:  # -> transformers.PreTrainedT
 
 
 def encode_prompt(
-    tokenizer: Any, prompt: str | Sequence[int], cache: PrefixTokenCache | None = None
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    cache: PrefixTokenCache | None = None,
+    *,
+    add_special_tokens: bool = True,
 ) -> list[int]:
-    """A completion prompt's token ids: text is encoded with the tokenizer's special tokens
-    (as vLLM does), token ids are taken as they are."""
+    """A prompt's token ids: text is encoded (with the tokenizer's special tokens unless
+    told otherwise, as vLLM does for a completion), token ids are taken as they are."""
     if isinstance(prompt, str):
-        return cache.encode(prompt) if cache is not None else list(tokenizer.encode(prompt))
+        if cache is not None:
+            return cache.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     return list(prompt)
 
 
@@ -122,9 +128,7 @@ def render_chat(
         chat_template_kwargs=chat_template_kwargs,
         **template,
     )
-    if cache is not None:
-        return cache.encode(text, add_special_tokens=add_special_tokens)
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    return encode_prompt(tokenizer, text, cache, add_special_tokens=add_special_tokens)
 
 
 #: texts the cache checks a tokenizer against before it trusts cutting text at a word

@@ -107,7 +107,6 @@ class WorkerState:
     model: str | None = None  # the base model
     models: frozenset[str] = frozenset()  # every id at /v1/models: base and LoRA adapters
     cards: list[dict[str, Any]] = field(default_factory=list)  # /v1/models' data, as sent
-    models_at: float | None = None  # when the model list was last read
     compatible: bool = True
     mismatch: str | None = None
     in_flight: int = 0
@@ -223,10 +222,7 @@ class WorkerState:
         ttft = (now - ticket.routed_at) - (completion_tokens - 1) * self.itl
         if not ttft > 0:
             return None
-        ticket.first_token_seen = True
-        self.queued.pop(id(ticket), None)
-        self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
-        return ttft
+        return self.first_token(ticket, ticket.routed_at + ttft)
 
     def observe_itl(self, seconds: float) -> None:
         """One reading of the worker's time per output token: a streamed inter-chunk gap,
@@ -482,7 +478,6 @@ class WorkerPool:
             return
         state.info = info
         state.set_models(cards)
-        state.models_at = time.monotonic()
         state.mismatch = self._mismatch(info)
         state.compatible = state.mismatch is None
         if state.mismatch:
@@ -531,7 +526,6 @@ class WorkerPool:
                 continue  # went down meanwhile: registration reads it again
             before = state.models
             state.set_models(cards)
-            state.models_at = time.monotonic()
             if state.models != before:
                 log.info(
                     "worker %s serves %s (was %s)",

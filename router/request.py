@@ -62,7 +62,11 @@ class RoutingFields:
     truncate_prompt_tokens: int | None = None
     #: chat and responses: the messages as the chat template gets them
     messages: list[dict[str, Any]] = field(default_factory=list)
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    #: ``tools``, ``documents``, ``chat_template``: as render_chat_text takes them
+    template: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: the type of the first content part the router cannot tokenize, if any
     media: str | None = None
     kv_transfer_params: bool = False
@@ -142,18 +146,23 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         fields.previous_response_id = _opt(obj, "previous_response_id", str, "a string")
         tools = _tools(_responses_tools(_opt(obj, "tools", list, "a list")))
         fields.add_special_tokens = False
+    fields.add_generation_prompt = _flag(obj, "add_generation_prompt", True)
+    fields.continue_final_message = _flag(obj, "continue_final_message", False)
     kwargs: dict[str, Any] = dict(_opt(obj, "chat_template_kwargs", dict, "an object") or {})
-    kwargs["add_generation_prompt"] = _flag(obj, "add_generation_prompt", True)
-    kwargs["continue_final_message"] = _flag(obj, "continue_final_message", False)
-    if tools:
-        kwargs["tools"] = tools
-    documents = _opt(obj, "documents", list, "a list")
-    if documents:
-        kwargs["documents"] = documents
-    template = _opt(obj, "chat_template", str, "a string")
-    if template:
-        kwargs["chat_template"] = template
-    fields.template_kwargs = kwargs
+    # The request's own fields win over the same names among its chat_template_kwargs.
+    for name in ("add_generation_prompt", "continue_final_message"):
+        kwargs.pop(name, None)
+    given = {
+        "tools": tools,
+        "documents": _opt(obj, "documents", list, "a list"),
+        "chat_template": _opt(obj, "chat_template", str, "a string"),
+    }
+    for name, value in given.items():
+        if value:
+            kwargs[name] = value
+        if name in kwargs:
+            fields.template[name] = kwargs.pop(name)
+    fields.chat_template_kwargs = kwargs
     return fields
 
 

@@ -46,7 +46,7 @@ from starlette.requests import ClientDisconnect
 from kvpool import __version__
 from kvpool.hashing import BlockHasher
 from kvpool.openai_api import OpenAIError, exception_handlers
-from kvpool.tokenization import PrefixTokenCache, load_tokenizer, render_chat_text
+from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat_text
 
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
@@ -419,9 +419,7 @@ class Router:
         """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy
         worker of the model, as they are; another worker if that one cannot be reached."""
         if self.draining:
-            raise OpenAIError(
-                503, "the router is shutting down", type="service_unavailable", code="draining"
-            )
+            raise _draining()
         body = await self._body(request)
         obj = parse_body(body)
         model = obj.get("model")
@@ -475,9 +473,7 @@ class Router:
         metrics = self._metrics()
         if self.draining:
             metrics.requests.labels("no_worker").inc()
-            raise OpenAIError(
-                503, "the router is shutting down", type="service_unavailable", code="draining"
-            )
+            raise _draining()
         if self.active >= self.settings.max_concurrency:
             metrics.requests.labels("overloaded").inc()
             raise OpenAIError(
@@ -632,9 +628,7 @@ class Router:
         tokenizer = self.tokenizer
 
         def encode(text: str, special: bool) -> list[int]:
-            if cache is not None:
-                return cache.encode(text, add_special_tokens=special)
-            return list(tokenizer.encode(text, add_special_tokens=special))
+            return encode_prompt(tokenizer, text, cache, add_special_tokens=special)
 
         def truncated(tokens: list[int]) -> list[int]:
             truncate = fields.truncate_prompt_tokens
@@ -652,10 +646,8 @@ class Router:
 
             def work() -> tuple[int, list[int], str | None]:
                 try:
-                    tokens = (
-                        encode(first, fields.add_special_tokens)
-                        if isinstance(first, str)
-                        else first
+                    tokens = encode_prompt(
+                        tokenizer, first, cache, add_special_tokens=fields.add_special_tokens
                     )
                 except _UNTOKENIZABLE as exc:
                     return 0, [], f"no cache credit: the prompt does not tokenize ({exc})"
@@ -665,17 +657,14 @@ class Router:
             return work() if len(first) <= INLINE_PROMPT_SIZE else await asyncio.to_thread(work)
 
         def chat() -> tuple[int, list[int], str | None]:
-            kwargs = dict(fields.template_kwargs)
             try:
                 text = render_chat_text(
                     tokenizer,
                     fields.messages,
-                    add_generation_prompt=kwargs.pop("add_generation_prompt"),
-                    continue_final_message=kwargs.pop("continue_final_message"),
-                    tools=kwargs.pop("tools", None),
-                    documents=kwargs.pop("documents", None),
-                    chat_template=kwargs.pop("chat_template", None),
-                    chat_template_kwargs=kwargs,
+                    add_generation_prompt=fields.add_generation_prompt,
+                    continue_final_message=fields.continue_final_message,
+                    chat_template_kwargs=fields.chat_template_kwargs,
+                    **fields.template,
                 )
             except ValueError as exc:  # the worker says what is wrong; no credit meanwhile
                 return 0, [], f"no cache credit: {exc}"
@@ -693,11 +682,7 @@ class Router:
             note = (
                 f"cache credit only for the {len(head)} tokens before the first {fields.media} part"
             )
-            return (
-                len(whole),
-                self.hasher.prompt_keys(head, lora_name=adapter, cache_salt=fields.cache_salt),
-                note,
-            )
+            return len(whole), keys_of(head), note
 
         return await asyncio.to_thread(chat)
 
@@ -1371,6 +1356,12 @@ def _prefill_body(request: dict[str, Any]) -> bytes:
         "remote_port": None,
     }
     return json.dumps(body).encode()
+
+
+def _draining() -> OpenAIError:
+    return OpenAIError(
+        503, "the router is shutting down", type="service_unavailable", code="draining"
+    )
 
 
 def _sse_error(message: str, code: str) -> bytes:
