@@ -123,7 +123,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
         try:
-            pools = load_pools(path)
+            pools = load_pools(path, allow_host_access=args.allow_host_access)
         except ManifestError as exc:
             print(f"{path}: {exc}", file=sys.stderr)
             failed += 1
@@ -257,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="validate InferencePool manifests (YAML) as the operator will")
     p.add_argument("files", nargs="+", help="YAML files; other kinds in them are skipped")
+    p.add_argument("--allow-host-access", action="store_true", help="accept podTemplates that "
+                   "ask for host access, as an operator with allowHostAccess does")  # fmt: skip
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("up", help="run a router and N workers on loopback (Ctrl-C stops them)")

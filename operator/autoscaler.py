@@ -12,6 +12,19 @@ only as far as the *lowest* proposal of the scale-up window (the pressure was su
 a scale-down only as far as the *highest* proposal of the scale-down window (the calm
 was sustained), after which step limits, a cooldown and a readiness check apply.
 
+Evidence must span its window, in both directions alike: a change waits until the current
+unbroken run of proposals began at least the window ago *and* the window holds at least
+:data:`MIN_PROPOSALS` of them. So a new pool, a restarted operator or metrics that come
+back after a gap change nothing on a single sample. A window of 0 means no stabilisation
+(as in the HPA): the current proposal alone decides. A round without any metric, or a gap
+between rounds longer than ``max_gap_s``, breaks the run: what came before is dropped.
+
+The history is compact, so that it fits in the pool's status and a new leader resumes it
+(:mod:`.scaling`): of the proposals within the longest window only those that can still
+decide are kept (the last three, and each one lower or higher than every later one:
+the minimum and maximum of any window ending now are among them), at most
+:data:`MAX_PROPOSALS`; compacting changes no decision.
+
 Which signals a role reads:
 
 * **prefill** (or, in an aggregated pool, the decode role, which prefills too): TTFT at the
@@ -37,6 +50,12 @@ PREFILL = "prefill"
 
 # ceil() of a product like 3 * (2/3) must not round 2.0000000000000004 up to 3.
 _EPS = 1e-9
+
+# A change needs at least this many proposals in its stabilisation window (when > 0).
+MIN_PROPOSALS = 3
+# Proposals kept per role, at most (the oldest go first, and the run's start moves with
+# them, so dropping one can only delay a change, never hasten it).
+MAX_PROPOSALS = 64
 
 
 # -- policy ------------------------------------------------------------------------------
@@ -91,6 +110,9 @@ class ScalingPolicy:
     kv_usage_target: float = 0.85
     waiting_per_replica_target: float = 2.0
     tolerance: float = 0.1  # |pressure - 1| within this: no change (as the HPA's)
+    # Rounds further apart than this do not make one run of evidence (an operator down for
+    # longer, rounds that failed): the proposals before the gap are dropped. None: no limit.
+    max_gap_s: float | None = None
     # The quantiles the signals were measured at: named in reasons, and what the operator
     # asks of its MetricsWindow.
     ttft_quantile: float = 0.9
@@ -111,6 +133,8 @@ class ScalingPolicy:
             raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if self.max_gap_s is not None and not self.max_gap_s > 0:
+            raise ValueError(f"max_gap_s must be > 0 or None, got {self.max_gap_s}")
         for name in ("ttft_quantile", "itl_quantile"):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -161,7 +185,8 @@ class Recommendation:
 class RoleHistory:
     """What stabilisation needs to remember of one role."""
 
-    proposals: tuple[tuple[float, int], ...] = ()  # (time, bounded proposal), oldest first
+    proposals: tuple[tuple[float, int], ...] = ()  # (time, bounded proposal), oldest first,
+    # compacted (see compact)
     since: float | None = None  # first proposal of the current unbroken run of proposals
     last_change: float | None = None  # when desired last differed from current
 
@@ -260,6 +285,40 @@ def _or_list(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def compact(proposals: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+    """The proposals that can still decide, oldest first.
+
+    Every window is a suffix of the history (the proposals since some time, up to now), and
+    a scale-up reads its minimum, a scale-down its maximum, the count rule its last
+    :data:`MIN_PROPOSALS`. The latest proposal holding a suffix's minimum is lower than
+    every later one, so keeping those, the ones higher than every later one and the last
+    few answers every window as the whole history would, now and after any later rounds.
+    """
+    kept: list[tuple[float, int]] = []
+    low = high = 0  # of the proposals after the one looked at
+    for age, (t, p) in enumerate(reversed(proposals)):
+        if age < MIN_PROPOSALS or p < low or p > high:
+            kept.append((t, p))
+        low, high = (p, p) if age == 0 else (min(low, p), max(high, p))
+    kept.reverse()
+    return tuple(kept[-MAX_PROPOSALS:])
+
+
+def _evidence(h: RoleHistory, now: float, window: float) -> tuple[list[int], str | None]:
+    """The proposals a change with this stabilisation window rests on, or what it waits
+    for: a run of proposals begun at least ``window`` ago, with MIN_PROPOSALS inside it."""
+    if window == 0:
+        return [h.proposals[-1][1]], None
+    assert h.since is not None
+    have = now - h.since
+    if have < window:
+        return [], f"waits for {window:g}s of proposals (have {have:g}s)"
+    inside = [p for t, p in h.proposals if t >= now - window]
+    if len(inside) < MIN_PROPOSALS:
+        return [], f"waits for {MIN_PROPOSALS} proposals in {window:g}s (have {len(inside)})"
+    return inside, None
+
+
 def _decide_role(
     role: str,
     bounds: Bounds,
@@ -280,6 +339,14 @@ def _decide_role(
         if desired != current:
             h = RoleHistory(h.proposals, h.since, now)
         return Recommendation(role, current, desired, raw, reason, now), h
+
+    if (
+        policy.max_gap_s is not None
+        and history.proposals
+        and now - history.proposals[-1][0] > policy.max_gap_s
+    ):
+        # Nobody looked for a while: what was seen before the gap does not vouch for now.
+        history = RoleHistory((), None, history.last_change)
 
     pressures, missing = _pressures(policy, signals, rs, prefills=prefills, decodes=decodes)
     outside = bounds.clamp(current) != current
@@ -314,17 +381,19 @@ def _decide_role(
         policy.scale_up.stabilization_window_s, policy.scale_down.stabilization_window_s
     )
     kept = tuple(p for p in history.proposals if p[0] >= horizon)
-    since = history.since if history.since is not None else now
-    h = RoleHistory((*kept, (now, proposal)), since, history.last_change)
+    # With nothing left inside the longest window, nothing vouches that the run went on.
+    since = history.since if kept and history.since is not None else now
+    proposals = compact((*kept, (now, proposal)))
+    # Proposals dropped for MAX_PROPOSALS take the run's start with them: no window can
+    # count as covered while one of them would have been inside it.
+    since = max(since, proposals[0][0]) if len(proposals) == MAX_PROPOSALS else since
+    h = RoleHistory(proposals, since, history.last_change)
 
     if outside:
         return result(bounds.clamp(current), raw, bounds_reason, h)
 
     up_window = policy.scale_up.stabilization_window_s
     down_window = policy.scale_down.stabilization_window_s
-    up_rec = min(p for t, p in h.proposals if t >= now - up_window)
-    down_rec = max(p for t, p in h.proposals if t >= now - down_window)
-    covered = since <= now - down_window
 
     if proposal == current:
         if within:
@@ -336,6 +405,10 @@ def _decide_role(
         return result(current, raw, f"hold: at {limit} {current}: {top.compared()}", h)
 
     if proposal > current:
+        evidence, wait = _evidence(h, now, up_window)
+        if wait is not None:
+            return result(current, raw, f"hold: scale-up to {proposal} {wait}: {top.compared()}", h)
+        up_rec = min(evidence)
         if up_rec <= current:
             reason = f"hold: scale-up to {proposal} not yet sustained for {up_window:g}s"
             return result(current, raw, f"{reason}: {top.compared()}", h)
@@ -349,12 +422,11 @@ def _decide_role(
             return result(current, raw, reason, h)
         action = f"scale up: {top.compared()}{note}"
     else:
-        if not covered:
-            reason = (
-                f"hold: scale-down to {proposal} waits for {down_window:g}s of proposals "
-                f"(have {now - since:g}s)"
-            )
+        evidence, wait = _evidence(h, now, down_window)
+        if wait is not None:
+            reason = f"hold: scale-down to {proposal} {wait}"
             return result(current, raw, f"{reason}: {top.compared()}", h)
+        down_rec = max(evidence)
         if down_rec >= current:
             reason = f"hold: scale-down to {proposal} not yet sustained for {down_window:g}s"
             return result(current, raw, f"{reason}: {top.compared()}", h)

@@ -18,6 +18,7 @@ kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import logging
@@ -31,14 +32,24 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from kvpool import __version__
 from kvpool.api import API_VERSION, GROUP, KIND, PLURAL, VERSION, validate_pool
 from kvpool.api.inferencepool import InferencePoolSpec
 
 from . import metrics
 from . import settings as settings_module
-from .cluster import Cluster
+from .cluster import AlreadyOwned, Cluster, foreign_owner, merge_patch
 from .peering import PeeringReader, kubernetes_fetch
-from .render import GROUP_LABEL, MANAGED_BY, POOL_LABEL, ROLE_LABEL, render, router_endpoint
+from .podcheck import check_children
+from .render import (
+    GROUP_LABEL,
+    MANAGED_BY,
+    POOL_LABEL,
+    ROLE_LABEL,
+    keep_default_images,
+    render,
+    router_endpoint,
+)
 from .scaling import autoscale_step, start_decision_counters
 from .status import Observed, build_status
 
@@ -74,7 +85,13 @@ class PoolRuntime:
     """What the operator knows of a pool between handler calls (not in the API server)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    pending: bool = False
+    pending: bool = False  # a sync was asked for: the one running does one more round
+    pending_prune: bool = False
+    failures: int = 0  # syncs in a row whose apply failed (the retry's backoff)
+    # Events for a person (kubectl describe): the autoscaler's decisions wait here to be
+    # posted; a warning is posted once per new message, not at every resync.
+    events: list[tuple[str, str, str]] = field(default_factory=list)
+    warned: dict[str, tuple[str, int]] = field(default_factory=dict)  # message, generation
     autoscaler_status: dict[str, Any] | None = None
     slo: tuple[str, str, str] | None = None
     autoscaling: tuple[str, str, str] | None = None
@@ -116,6 +133,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="kvpool.io", key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    for group, _version, plural in _CHILD_KINDS:
+        settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
     settings.execution.max_workers = 8
     ops = operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
     settings.peering.lifetime = ops.peering_lifetime_s
@@ -152,20 +171,20 @@ _active = False
 
 
 def active() -> bool:
-    """Whether this replica may act now (read at most once a second with peering)."""
+    """Whether this replica may act now (read at most once a second with peering). A
+    replica that takes over forgets its autoscalers' memory: the pools' status holds what
+    the replica active meanwhile decided, and each restores from it."""
     global _active
+    was = _active
     _active = True if _peering is None else _peering.active()
+    if _active and not was:
+        with _pools_lock:
+            for rt in _pools.values():
+                rt.scaler = None
     return _active
 
 
 # --- the pool -------------------------------------------------------------------------------
-
-
-def _autoscaled_paths(spec: InferencePoolSpec, child: dict[str, Any]) -> list[tuple[str, ...]]:
-    group = (child["metadata"].get("labels") or {}).get(GROUP_LABEL)
-    if child["kind"] == "Deployment" and group and spec.autoscaled(group):
-        return [("spec", "replicas")]
-    return []
 
 
 def _describe_api_error(exc: ApiException, child: dict[str, Any]) -> str:
@@ -178,20 +197,21 @@ def _describe_api_error(exc: ApiException, child: dict[str, Any]) -> str:
 
 def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: bool = True) -> None:
     """Bring the pool's children in line with its spec and write its status. Concurrent
-    calls for one pool coalesce: a call that finds one running leaves it one more round."""
+    calls for one pool coalesce, and none is lost: a call that finds one running marks one
+    more round, and the runner looks for that mark again after letting go of the lock."""
     rt = runtime(namespace, name)
-    if not rt.lock.acquire(blocking=False):
-        rt.pending = True
-        return
-    try:
-        while True:
-            rt.pending = False
-            _timed_sync_once(namespace, name, body, prune, rt)
-            body = None  # later rounds read the pool afresh
-            if not rt.pending:
-                break
-    finally:
-        rt.lock.release()
+    rt.pending_prune = rt.pending_prune or prune
+    rt.pending = True
+    while rt.pending:
+        if not rt.lock.acquire(blocking=False):
+            return  # the runner sees the mark: it runs again, or lets go and we take over
+        try:
+            while rt.pending:
+                rt.pending, prune, rt.pending_prune = False, rt.pending_prune, False
+                _timed_sync_once(namespace, name, body, prune, rt)
+                body = None  # later rounds read the pool afresh
+        finally:
+            rt.lock.release()
 
 
 def _timed_sync_once(
@@ -205,6 +225,92 @@ def _timed_sync_once(
         if result is not None:
             metrics.RECONCILES.labels(result).inc()
             metrics.RECONCILE_DURATION.observe(time.perf_counter() - started)
+        _schedule_retry(namespace, name, rt, failed=result == "error")
+
+
+# --- Kubernetes Events ----------------------------------------------------------------------
+
+_kopf_context: contextvars.Context | None = None
+
+
+def _remember_kopf_context() -> None:
+    """Keep a handler's context: kopf's event API works only where kopf set its posting
+    queue, which the operator's own loop thread is not."""
+    global _kopf_context
+    _kopf_context = contextvars.copy_context()
+
+
+def post_event(pool: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event about the pool (kopf posts it, in the background)."""
+    meta = pool.get("metadata") or {}
+    obj = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid") if k in meta},
+    }
+    try:
+        kopf.event(obj, type=type_, reason=reason, message=message)
+    except LookupError:  # not in a kopf handler: in the loop's thread
+        if _kopf_context is None:
+            log.info("no kopf context yet: event %s %s not posted: %s", type_, reason, message)
+            return
+        _kopf_context.copy().run(kopf.event, obj, type=type_, reason=reason, message=message)
+
+
+def _warn_once(rt: PoolRuntime, pool: dict[str, Any], reason: str, message: str | None) -> None:
+    """A Warning event when ``message`` is new for ``reason``; None: the problem is gone.
+    A sync of an older generation (a read that raced a spec change) clears nothing."""
+    generation = int((pool.get("metadata") or {}).get("generation", 0) or 0)
+    seen = rt.warned.get(reason)
+    if message is None:
+        if seen is not None and generation >= seen[1]:
+            rt.warned.pop(reason, None)
+    elif seen is None or seen[0] != message:
+        rt.warned[reason] = (message, generation)
+        post_event(pool, "Warning", reason, message)
+
+
+# --- the pool -------------------------------------------------------------------------------
+
+SPEC_REPLICAS = "kvpool.io/spec-replicas"  # the spec's count when last synced (a Deployment's)
+
+
+def _worker_replicas(
+    spec: InferencePoolSpec, child: dict[str, Any], live: dict[str, Any] | None
+) -> int | None:
+    """Takes a worker Deployment's replicas out of ``child`` (they have their own field
+    manager, see :mod:`.cluster`) and says what to write, if anything (at creation, they go
+    in the first apply too, so the Deployment never starts at the API server's default):
+    * the spec owns them: its count when it changed since the last sync (or at creation),
+      so a ``kubectl scale`` stands until the spec's count moves, and a pool switched from
+      Active or External back to the spec keeps what runs until then;
+    * the autoscaler owns them: its first count at creation, then :mod:`.scaling` writes;
+    * an HPA or KEDA owns them (External): never.
+    The spec's count is recorded on the Deployment (``kvpool.io/spec-replicas``) only once
+    it needs no write: a count that failed to be written is tried again at the next sync."""
+    group = (child["metadata"].get("labels") or {}).get(GROUP_LABEL)
+    if child["kind"] != "Deployment" or group not in ("prefill", "decode"):
+        return None
+    replicas = child["spec"].pop("replicas", None)
+    count = spec.roles()[group].replicas
+    annotations = child["metadata"].setdefault("annotations", {})
+    seen = ((live or {}).get("metadata", {}).get("annotations") or {}).get(SPEC_REPLICAS)
+    owner = spec.replicas_owner(group)
+    write = None
+    if live is None:
+        if owner != "external":
+            write = replicas
+    elif owner == "spec" and seen != str(count):
+        if (live.get("spec") or {}).get("replicas") != count:
+            write = count
+    if write is not None and live is not None:
+        if seen is not None:
+            annotations[SPEC_REPLICAS] = seen  # recorded once written
+        else:
+            annotations.pop(SPEC_REPLICAS, None)
+    else:
+        annotations[SPEC_REPLICAS] = str(count)
+    return write
 
 
 def _sync_once(
@@ -219,27 +325,59 @@ def _sync_once(
     meta = body["metadata"]
     generation = int(meta.get("generation", 0) or 0)
     previous = body.get("status") or {}
+    settings = operator_settings()
+    children: list[dict[str, Any]] = []
     try:
-        spec: InferencePoolSpec | None = validate_pool(name, body.get("spec") or {})
+        spec: InferencePoolSpec | None = validate_pool(
+            name, body.get("spec") or {}, allow_host_access=settings.allow_host_access
+        )
+        assert spec is not None
+        children = render(name, namespace, spec, settings.images())
+        check_children(children)
         error = None
     except ValueError as exc:
         spec, error = None, str(exc)
         log.warning("InferencePool %s/%s: invalid spec, children left as they are: %s",
                     namespace, name, error)  # fmt: skip
+    _warn_once(rt, body, "InvalidSpec", error)
 
     deployments: dict[str, Any] = {}
-    apply_error = None
+    apply_error = owner_error = None
     if spec is not None:
-        children = render(name, namespace, spec, operator_settings().images())
         owner = {
             "apiVersion": API_VERSION,
             "kind": KIND,
             "metadata": {"name": name, "uid": meta["uid"]},
         }
         kopf.append_owner_reference(children, owner=owner)
-        for child in children:
+        try:
+            lives = [c.read(child) for child in children]
+        except ApiException as exc:
+            lives, apply_error = [], f"reading the children: {exc.status} {exc.reason}"
+        taken = [
+            f"{child['kind']} {child['metadata']['name']} is {who}"
+            for child, live in zip(children, lives, strict=False)
+            if live is not None and (who := foreign_owner(live, name, meta["uid"]))
+        ]
+        if taken:  # another's object: touch none, so that nothing half-made serves
+            owner_error = "; ".join(taken) + ": left alone (delete or rename it)"
+            log.error("InferencePool %s/%s: %s", namespace, name, owner_error)
+        elif lives:
+            children = keep_default_images(children, lives)
+        changed = []
+        for child, live in zip(children, lives, strict=False):
+            if owner_error:
+                break
+            replicas = _worker_replicas(spec, child, live)
             try:
-                live = c.apply(child, unowned=_autoscaled_paths(spec, child))
+                if not c.converged(live, child):
+                    changed.append(f"{child['kind']} {child['metadata']['name']}")
+                live = c.apply(child, live, create_replicas=replicas)
+                if replicas is not None:
+                    live = c.scale(namespace, child["metadata"]["name"], replicas)
+            except AlreadyOwned as exc:  # taken between the read and the write
+                owner_error = f"{exc}: delete or rename it"
+                break
             except ApiException as exc:
                 apply_error = _describe_api_error(exc, child)
                 log.error("InferencePool %s/%s: %s", namespace, name, apply_error)
@@ -247,27 +385,71 @@ def _sync_once(
             if child["kind"] == "Deployment":
                 labels = child["metadata"]["labels"]
                 deployments[labels.get(GROUP_LABEL) or "router"] = live
-        if prune and apply_error is None:
-            c.prune(namespace, name, meta["uid"], children)
+        if changed and not (apply_error or owner_error):
+            post_event(body, "Normal", "Applied", "applied " + ", ".join(changed))
+        if prune and not (apply_error or owner_error):
+            try:
+                pruned = c.prune(namespace, name, meta["uid"], children)
+            except ApiException as exc:
+                pruned, apply_error = [], f"pruning: {exc.status} {exc.reason}"
+            if pruned:
+                post_event(body, "Normal", "Pruned", "deleted " + ", ".join(pruned))
         endpoint = router_endpoint(name, namespace, spec)
-    else:
+    if spec is None or owner_error:
         for group in ("router", "prefill", "decode"):
-            deployments[group] = c.deployment(namespace, f"{name}-{group}")
-        endpoint = (previous.get("router") or {}).get("endpoint")
+            deployments.setdefault(group, c.deployment(namespace, f"{name}-{group}"))
+        endpoint = (previous.get("router") or {}).get("endpoint") if spec is None else endpoint
+    _warn_once(rt, body, "AlreadyOwned", owner_error)
+    _warn_once(rt, body, "ApplyFailed", apply_error)
+    for type_, reason, message in rt.events:
+        post_event(body, type_, reason, message)
+    rt.events = []
     observed = Observed(
         generation=generation,
         deployments=deployments,
         error=error,
         apply_error=apply_error,
+        owner_error=owner_error,
         autoscaler=rt.autoscaler_status if spec is not None else previous.get("autoscaler"),
         slo=rt.slo,
         autoscaling=rt.autoscaling,
     )
     status = build_status(spec, observed, previous, now(), endpoint)
-    if status != {k: previous.get(k) for k in status}:
-        c.patch_status(namespace, name, status)
+    patch = status_patch(previous, status)
+    if patch:
+        c.patch_status(namespace, name, patch)
     _record_for_metrics(rt, spec, deployments, status)
-    return "invalid" if error else "error" if apply_error else "ok"
+    return "invalid" if error else "error" if (apply_error or owner_error) else "ok"
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def status_patch(previous: dict[str, Any], status: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that turns ``previous`` into ``status``, with ``null`` for every key
+    that no longer applies (a merge patch keeps what it does not name); None: no change."""
+    wanted = _without_nulls(status)
+    if wanted == previous:
+        return None
+    return merge_patch(previous, wanted)
+
+
+def _schedule_retry(namespace: str, name: str, rt: PoolRuntime, failed: bool) -> None:
+    """After a failed apply, the loop syncs the pool again in 1, 2, 4 ... 60 s, not at the
+    next resync; a sync that succeeds resets the backoff."""
+    if not failed:
+        rt.failures = 0
+        return
+    rt.failures += 1
+    delay = min(2.0 ** (rt.failures - 1), RETRY_MAX_S)
+    with _pools_lock:
+        key = (namespace, name)
+        _retry[key] = min(_retry.get(key, float("inf")), time.monotonic() + delay)
 
 
 def _record_for_metrics(
@@ -305,11 +487,24 @@ def _record_for_metrics(
     start_decision_counters(rt, spec)
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 def reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    _remember_kopf_context()
     sync(namespace, name, _plain(body))
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def resume(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    """An operator (re)started, or a replica took over, and finds the pool: say so, and what
+    the autoscaler takes up again from the pool's status."""
+    _remember_kopf_context()
+    plain = _plain(body)
+    saved = ((plain.get("status") or {}).get("autoscaler") or {}).get("state")
+    carried = "; the autoscaler resumes its windows from status" if saved else ""
+    post_event(plain, "Normal", "Resumed",
+               f"kvpool operator {__version__} took the pool up again{carried}")  # fmt: skip
+    sync(namespace, name, plain)
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -341,7 +536,11 @@ def child_changed(event: dict[str, Any], body: kopf.Body, namespace: str, **_: A
     sync(namespace, pool, prune=False)
 
 
+CHILD_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY}"
+
 for _group, _version, _plural in _CHILD_KINDS:
+    # The label filter is checked here too; the API server filters first (the selector set
+    # in :func:`configure`), so the operator never lists the cluster's other objects.
     kopf.on.event(_group, _version, _plural, labels={"app.kubernetes.io/managed-by": MANAGED_BY})(
         child_changed
     )
@@ -354,16 +553,20 @@ for _group, _version, _plural in _CHILD_KINDS:
 # deletion. Pools enter the loop from their watch events and leave it when deleted.
 
 _due: dict[tuple[str, str], float] = {}
+_retry: dict[tuple[str, str], float] = {}  # pools whose last apply failed: when to try again
+RETRY_MAX_S = 60.0
 _loop_stop = threading.Event()
 _loop_thread: threading.Thread | None = None
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 def pool_seen(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
+    _remember_kopf_context()
     key = (namespace, name)
     with _pools_lock:
         if event.get("type") == "DELETED":
             _due.pop(key, None)
+            _retry.pop(key, None)
             _pools.pop(key, None)
         else:
             _due.setdefault(key, 0.0)
@@ -379,6 +582,16 @@ def _loop() -> None:
             continue
         with _pools_lock:
             due = [k for k, t in _due.items() if t <= time.monotonic()]
+            retry = [k for k, t in _retry.items() if t <= time.monotonic() and k not in due]
+            for key in retry:
+                _retry.pop(key, None)
+        for namespace, name in retry:
+            if _loop_stop.is_set() or not active():
+                break
+            try:
+                sync(namespace, name)
+            except Exception:  # scheduled again by the next failure, or by the resync
+                log.exception("InferencePool %s/%s: retry failed", namespace, name)
         for namespace, name in due:
             if _loop_stop.is_set() or not active():
                 break
@@ -399,15 +612,20 @@ def tick(namespace: str, name: str) -> float:
         if body is None:  # deleted while this replica was paused, so its event was missed
             with _pools_lock:
                 _due.pop((namespace, name), None)
+                _retry.pop((namespace, name), None)
                 _pools.pop((namespace, name), None)
             return interval
         try:
-            spec = validate_pool(name, body.get("spec") or {})
+            spec = validate_pool(
+                name, body.get("spec") or {}, allow_host_access=settings.allow_host_access
+            )
         except ValueError:
             spec = None
         if spec is not None and (spec.autoscaling.enabled or spec.slo is not None):
             interval = min(interval, spec.autoscaling.interval_seconds)
-            autoscale_step(cluster(), namespace, name, spec, rt, now(), settings.scrape_timeout_s)
+            saved = (body.get("status") or {}).get("autoscaler")
+            autoscale_step(cluster(), namespace, name, spec, rt, now(), settings.scrape_timeout_s,
+                           status=saved)  # fmt: skip
         elif spec is not None:
             rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
             rt.recommended, rt.latency = {}, {}
@@ -433,6 +651,7 @@ def stop_loop(**_: Any) -> None:
         _loop_thread.join(timeout=10)
     with _pools_lock:
         _due.clear()
+        _retry.clear()
         _pools.clear()
 
 

@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,13 @@ GROUP_LABEL = "kvpool.io/group"
 ROLE_LABEL = "kvpool.io/role"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_HASH = "kvpool.io/config-hash"
+# On a worker Deployment: which of the operator's default images its workers run ("worker",
+# "worker-cpu", "vllm"); absent when the spec (or its podTemplate) names the image.
+DEFAULT_IMAGE = "kvpool.io/default-image"
+# Beside it, the default images the operator gave the containers ({"worker": image, ...}):
+# a live image is kept only if it is still the one recorded, so a hand edit is undone.
+DEFAULT_IMAGES = "kvpool.io/default-images"
+VERSION_LABEL = "app.kubernetes.io/version"
 
 ROUTER_PORT = 8080
 MODEL_MOUNT = "/models/source"
@@ -43,6 +51,15 @@ WORKER_CONTAINER = "worker"
 ROUTER_CONTAINER = "router"
 # Weights and other bulk files a router does not need from a model baked into an image.
 _WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.ckpt")
+# A Hugging Face source: the download cache (a claim, or an emptyDir) and, in the pod's own
+# model emptyDir, a link to the snapshot of the commit this pod's init container resolved.
+HF_CACHE_VOLUME = "hf-cache"
+HF_CACHE_MOUNT = "/models/hf-cache"
+HF_SNAPSHOT = f"{MODEL_MOUNT}/snapshot"
+# What the router reads from a Hub repository: tokenizer, chat template and configs. An
+# allow-list, as repositories hold weights in more formats than _WEIGHT_GLOBS names.
+_TOKENIZER_GLOBS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
+IMAGE_GROUP = 65532  # the group our images run as (their Dockerfiles' USER)
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,16 @@ class Images:
     vllm: str = "vllm/vllm-openai:v0.11.0"
     router: str = f"ghcr.io/kvpool/kvpool-router:{__version__}"
 
+    @classmethod
+    def of_version(cls, version: str) -> Images:
+        """The defaults of kvpool ``version`` (what that version's operator runs with)."""
+        return cls(
+            worker=f"ghcr.io/kvpool/kvpool-worker:{version}",
+            worker_cpu=f"ghcr.io/kvpool/kvpool-worker:{version}-cpu",
+            vllm=cls.vllm,
+            router=f"ghcr.io/kvpool/kvpool-router:{version}",
+        )
+
 
 # --- labels and names -----------------------------------------------------------------------
 
@@ -64,9 +91,17 @@ def pool_labels(pool: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/instance": pool,
         COMPONENT_LABEL: component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        "app.kubernetes.io/version": __version__,
+        VERSION_LABEL: __version__,
         POOL_LABEL: pool,
     }
+
+
+def pod_labels(pool: str, component: str) -> dict[str, str]:
+    """A pod template's labels: the pool's without the operator's version, so that an
+    operator upgrade changes no template and rolls no pod by itself."""
+    labels = pool_labels(pool, component)
+    del labels[VERSION_LABEL]
+    return labels
 
 
 def selector_labels(pool: str, component: str, group: str | None = None) -> dict[str, str]:
@@ -99,6 +134,8 @@ def model_dir(spec: InferencePoolSpec) -> str:
         return src.image.path
     if src.builtin is not None:
         return f"{MODEL_MOUNT}/{src.builtin.name}"
+    if src.huggingface is not None:
+        return HF_SNAPSHOT
     return MODEL_MOUNT  # hostPath
 
 
@@ -135,9 +172,124 @@ def _model_volume(spec: InferencePoolSpec) -> Manifest | None:
         }
     if src.host_path is not None:
         return {"name": "model", "hostPath": {"path": src.host_path.path, "type": "Directory"}}
-    if src.builtin is not None:
+    if src.builtin is not None or src.huggingface is not None:
         return {"name": "model", "emptyDir": {}}
     return None  # baked into the image
+
+
+def _model_volumes(spec: InferencePoolSpec, *, router: bool = False) -> list[Manifest]:
+    """The model's volumes; for a Hugging Face source also the download cache: the claim
+    it names for workers (shared, kept between pods), an emptyDir otherwise. The router
+    downloads only the tokenizer, always into an emptyDir."""
+    model = _model_volume(spec)
+    volumes = [model] if model is not None else []
+    hf = spec.model.source.huggingface
+    if hf is not None:
+        if hf.cache_claim_name and not router:
+            cache = {"persistentVolumeClaim": {"claimName": hf.cache_claim_name}}
+        else:
+            cache = {"emptyDir": {}}
+        volumes.append({"name": HF_CACHE_VOLUME, **cache})
+    return volumes
+
+
+def _model_mounts(spec: InferencePoolSpec) -> list[Manifest]:
+    """The serving container's view of the model: read-only (the snapshot link resolves
+    into the cache, so both are mounted)."""
+    mounts = []
+    if _model_volume(spec) is not None:
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if spec.model.source.huggingface is not None:
+        mounts.append({"name": HF_CACHE_VOLUME, "mountPath": HF_CACHE_MOUNT, "readOnly": True})
+    return mounts
+
+
+def _model_init(
+    spec: InferencePoolSpec, images: Images, worker: Manifest | None = None
+) -> Manifest | None:
+    """The init container that puts the model in place, if the source needs one: the
+    built-in model's maker, or the Hugging Face download. ``worker``: the worker container
+    it runs beside, whose image it uses; None in the router's pod."""
+    if spec.model.source.huggingface is not None:
+        return _huggingface_init(spec, images, worker)
+    return _builtin_init(spec, images)
+
+
+# vLLM's image has huggingface_hub but not our CLI. Its Python API is used rather than its
+# command line: `snapshot_download(repo, revision=, cache_dir=)` is the same from 0.x to today,
+# while the CLI was renamed (`huggingface-cli download` became `hf download` in 0.34; today's
+# releases have only `hf`), so this works with whatever vLLM image `engine.image` names. It
+# prints one line on failure, not a traceback; the token (HF_TOKEN) is in no message.
+_VLLM_FETCH = """\
+import os, sys
+from huggingface_hub import snapshot_download
+repo, revision, cache, link = sys.argv[1:]
+try:
+    path = snapshot_download(repo, revision=revision, cache_dir=cache)
+except Exception as exc:
+    text, token = str(exc), os.environ.get("HF_TOKEN")
+    text = text.replace(token, "***") if token else text
+    sys.exit(f"cannot fetch {repo} at {revision}: {type(exc).__name__}: {text}")
+if os.path.lexists(link + ".tmp"):
+    os.remove(link + ".tmp")
+os.symlink(path, link + ".tmp")
+os.replace(link + ".tmp", link)
+print(f"fetched {repo} at {revision}: {path}", flush=True)
+"""
+
+
+def _huggingface_init(spec: InferencePoolSpec, images: Images, worker: Manifest | None) -> Manifest:
+    """Download the snapshot (the router: its tokenizer and configs only) into the cache and
+    link it at HF_SNAPSHOT. The revision is in the arguments, so a new one rolls the pods.
+    The token reaches this container only, from the Secret: never the spec or the engine."""
+    hf = spec.model.source.huggingface
+    assert hf is not None
+    env = [
+        {"name": "HF_HUB_DISABLE_PROGRESS_BARS", "value": "1"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if hf.token_secret_ref is not None:
+        ref = hf.token_secret_ref
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        )
+    if worker is not None and spec.engine.type == "vllm":
+        command = ["python3", "-c", _VLLM_FETCH]
+        args = [hf.repo, hf.revision, HF_CACHE_MOUNT, HF_SNAPSHOT]
+    else:
+        command = ["kvpool", "worker", "fetch-model"]
+        args = [
+            "--repo", hf.repo,
+            "--revision", hf.revision,
+            "--cache-dir", HF_CACHE_MOUNT,
+            "--dir", HF_SNAPSHOT,
+        ]  # fmt: skip
+        if worker is None:  # the router: no weights
+            args += [a for g in _TOKENIZER_GLOBS for a in ("--include", g)]
+            args += [a for g in _WEIGHT_GLOBS for a in ("--exclude", g)]
+    init: Manifest = {
+        "name": "fetch-model",
+        "image": worker["image"] if worker is not None else images.worker_cpu,
+        "command": command,
+        "args": args,
+        "env": env,
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_MOUNT},
+            {"name": HF_CACHE_VOLUME, "mountPath": HF_CACHE_MOUNT},
+        ],
+    }
+    if worker is not None and "imagePullPolicy" in worker:
+        init["imagePullPolicy"] = worker["imagePullPolicy"]
+    return init
+
+
+def _cache_claim_writable(spec: InferencePoolSpec, pod_spec: Manifest) -> None:
+    """A restricted pod (our images, uid and gid 65532) writes to the cache claim through
+    its group: the kubelet gives the claim that group (once, while its root differs)."""
+    hf = spec.model.source.huggingface
+    if hf is not None and hf.cache_claim_name:
+        security = pod_spec.setdefault("securityContext", {})
+        security.update({"fsGroup": IMAGE_GROUP, "fsGroupChangePolicy": "OnRootMismatch"})
 
 
 def _builtin_init(spec: InferencePoolSpec, images: Images) -> Manifest | None:
@@ -163,6 +315,18 @@ def _env(items: list[Any]) -> list[Manifest]:
 
 def _pod_ip_env() -> Manifest:
     return {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def default_image_key(spec: InferencePoolSpec, role: str) -> str | None:
+    """Which of the operator's default images this role's workers run; None when the spec
+    names its own (``engine.image``)."""
+    if spec.engine.image:
+        return None
+    if spec.engine.type == "vllm":
+        return "vllm"
+    resources = spec.roles()[role].resources
+    gpu = "nvidia.com/gpu" in {**resources.requests, **resources.limits}
+    return "worker" if gpu else "worker-cpu"
 
 
 def worker_image(spec: InferencePoolSpec, role: str, images: Images) -> str:
@@ -341,6 +505,11 @@ def _add_pod_parts(
     pod_spec.update({k: v for k, v in parts.items() if v})
 
 
+def _add_pull_secrets(pod_spec: Manifest, secrets: list[Any]) -> None:
+    if secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in secrets]
+
+
 def worker_deployment(
     pool: str, namespace: str, spec: InferencePoolSpec, role: str, images: Images
 ) -> Manifest:
@@ -356,12 +525,8 @@ def worker_deployment(
     resources = _resources(role_spec.resources)
     if resources:
         container["resources"] = resources
-    mounts = []
-    volumes = []
-    model_volume = _model_volume(spec)
-    if model_volume is not None:
-        volumes.append(model_volume)
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    volumes = _model_volumes(spec)
+    mounts = _model_mounts(spec)
     if engine.type == "vllm":  # NCCL and the tokenizer pool use shared memory
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
@@ -373,16 +538,18 @@ def worker_deployment(
         "terminationGracePeriodSeconds": role_spec.termination_grace_period_seconds,
         "containers": [container],
     }
-    init = _builtin_init(spec, images)
+    init = _model_init(spec, images, container)
     _add_pod_parts(pod_spec, [init] if init else [], volumes, role_spec, role_spec.affinity)
+    _add_pull_secrets(pod_spec, engine.image_pull_secrets)
     if engine.type == "kvpool":
         _restrict(pod_spec)
+        _cache_claim_writable(spec, pod_spec)
 
     selector = selector_labels(pool, "worker", role)
     template: Manifest = {
         "metadata": {
             "labels": {
-                **pool_labels(pool, "worker"),
+                **pod_labels(pool, "worker"),
                 **selector,
                 ROLE_LABEL: spec.worker_role_label(role),
             },
@@ -390,15 +557,27 @@ def worker_deployment(
         },
         "spec": pod_spec,
     }
+    defaulted = _default_imaged(template)
     if role_spec.pod_template:
         template = merge_template(template, role_spec.pod_template)
+    key = default_image_key(spec, role)
+    if _default_imaged(template) != defaulted:  # the podTemplate names an image of ours
+        key = None
+    metadata = _meta(pool, namespace, f"{pool}-{role}", "worker", labels={GROUP_LABEL: role})
+    if key is not None:
+        metadata["annotations"] = {DEFAULT_IMAGE: key, DEFAULT_IMAGES: _record(defaulted)}
     rollout = role_spec.rollout
+    # An HPA or KEDA owns an external role's replicas: no count here, so that applying the
+    # Deployment never takes them back (a new one starts at the API server's default, 1).
+    replicas = {}
+    if spec.replicas_owner(role) != "external":
+        replicas["replicas"] = initial_replicas(spec, role)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(pool, namespace, f"{pool}-{role}", "worker", labels={GROUP_LABEL: role}),
+        "metadata": metadata,
         "spec": {
-            "replicas": initial_replicas(spec, role),
+            **replicas,
             "selector": {"matchLabels": selector},
             "strategy": {
                 "type": "RollingUpdate",
@@ -542,27 +721,34 @@ def router_deployment(
             "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}],
         })  # fmt: skip
     else:
-        model_volume = _model_volume(spec)
-        if model_volume is not None:
-            volumes.append(model_volume)
-            container["volumeMounts"] = [
-                {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-            ]
-        builtin = _builtin_init(spec, images)
-        if builtin is not None:
-            init.append(builtin)
+        volumes += _model_volumes(spec, router=True)
+        if mounts := _model_mounts(spec):
+            container["volumeMounts"] = mounts
+        model_init = _model_init(spec, images)
+        if model_init is not None:
+            init.append(model_init)
     pod_spec: Manifest = {
         "serviceAccountName": name,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
     }
-    _add_pod_parts(pod_spec, init, volumes, router, None)
+    _add_pod_parts(pod_spec, init, volumes, router, router.affinity)
+    _add_pull_secrets(pod_spec, router.image_pull_secrets)
     _restrict(pod_spec)
     selector = selector_labels(pool, "router")
     annotations = {
         **_scrape_annotations(ROUTER_PORT),
         CONFIG_HASH: config_hash(router_config(pool, spec)),  # a config change rolls the pods
     }
+    template: Manifest = {
+        "metadata": {
+            "labels": {**pod_labels(pool, "router"), **selector},
+            "annotations": annotations,
+        },
+        "spec": pod_spec,
+    }
+    if router.pod_template:
+        template = merge_template(template, router.pod_template)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -574,13 +760,7 @@ def router_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
-            "template": {
-                "metadata": {
-                    "labels": {**pool_labels(pool, "router"), **selector},
-                    "annotations": annotations,
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
 
@@ -673,3 +853,107 @@ def merge_template(base: Manifest, override: Manifest) -> Manifest:
 
 def _named(items: list[Any]) -> bool:
     return all(isinstance(i, dict) and "name" in i for i in items)
+
+
+# --- operator upgrades ----------------------------------------------------------------------
+
+# The containers of a worker pod whose images the operator picks when the spec names none:
+# the worker, and the init containers that fetch or make the model beside it.
+_DEFAULT_IMAGED = (WORKER_CONTAINER, "fetch-model", "make-model")
+# The router's init container that copies the tokenizer out of the (decode) worker image.
+_COPY_TOKENIZER = "copy-tokenizer"
+
+
+def _containers(deployment: Manifest) -> list[Manifest]:
+    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [*(pod.get("containers") or []), *(pod.get("initContainers") or [])]
+
+
+def _default_imaged(template: Manifest) -> dict[str, str | None]:
+    """The images of the containers in ``_DEFAULT_IMAGED``, by name."""
+    return {
+        c["name"]: c.get("image")
+        for c in _containers({"spec": {"template": template}})
+        if c.get("name") in _DEFAULT_IMAGED
+    }
+
+
+def _annotation(obj: Manifest, key: str) -> str | None:
+    return ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
+
+
+def _record(images: dict[str, str | None]) -> str:
+    return json.dumps(images, sort_keys=True, separators=(",", ":"))
+
+
+def _recorded(obj: Manifest) -> dict[str, Any]:
+    try:
+        found = json.loads(_annotation(obj, DEFAULT_IMAGES) or "{}")
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def keep_default_images(
+    children: list[Manifest],
+    lives: Iterable[Manifest | None] | Mapping[tuple[str, str], Manifest],
+) -> list[Manifest]:
+    """``children`` (as ``render`` made them) with the worker images of the running pool
+    kept where only the operator's defaults moved, so that upgrading the operator restarts
+    no GPU pod; the children themselves are left as they are.
+
+    ``lives``: the live objects, in any order, None for one not made yet (the list the
+    handlers read, parallel to ``children``, will do), or a mapping by (kind, name).
+
+    The rule: a worker Deployment rendered with the default-image annotation whose live
+    Deployment carries the same key keeps the live images of its worker, fetch-model and
+    make-model containers, each where it is still the image the operator recorded having
+    given it (``kvpool.io/default-images``: an image edited by hand is put back, to the new
+    default). Where the key changed (another engine type, a GPU added or
+    removed) or is gone (the spec or its podTemplate names an image) the new image is
+    applied, and those pods roll as they would anyway. The router's copy-tokenizer init
+    container, which reads the model out of the decode worker image, follows the decode
+    Deployment's kept image; the router itself follows the operator's default router image
+    (router and operator move together).
+
+    To move a pool's workers to the new operator's default images: name the image in the
+    spec (``engine.image``), or remove the annotation from the worker Deployments
+    (``kubectl annotate deployment <pool>-decode kvpool.io/default-image-``): the next sync
+    renders the default of the running operator, and the Deployment rolls to it."""
+    if isinstance(lives, Mapping):
+        lives = lives.values()
+    live = {
+        (obj["kind"], obj["metadata"]["name"]): obj
+        for obj in lives
+        if obj is not None and obj.get("kind") and (obj.get("metadata") or {}).get("name")
+    }
+    out = copy.deepcopy(children)
+    followed: dict[str, str] = {}  # a rendered default image -> the live one it gives way to
+    for child in out:
+        key = _annotation(child, DEFAULT_IMAGE)
+        running = live.get((child["kind"], child["metadata"]["name"]))
+        if child["kind"] != "Deployment" or key is None or running is None:
+            continue
+        if _annotation(running, DEFAULT_IMAGE) != key:
+            continue
+        decode = child["metadata"]["labels"].get(GROUP_LABEL) == "decode"
+        images = {c.get("name"): c.get("image") for c in _containers(running)}
+        recorded = _recorded(running)
+        for c in _containers(child):
+            kept = images.get(c["name"]) if c["name"] in _DEFAULT_IMAGED else None
+            if kept and recorded.get(c["name"]) == kept:
+                if decode and c["name"] == WORKER_CONTAINER:
+                    followed[c["image"]] = kept
+                c["image"] = kept
+        template = child["spec"]["template"]
+        child["metadata"]["annotations"][DEFAULT_IMAGES] = _record(_default_imaged(template))
+    for child in out:
+        if child["kind"] == "Deployment" and _is_router(child):
+            for c in _containers(child):
+                if c["name"] == _COPY_TOKENIZER and c.get("image") in followed:
+                    c["image"] = followed[c["image"]]
+    return out
+
+
+def _is_router(obj: Manifest) -> bool:
+    return (obj["metadata"].get("labels") or {}).get(COMPONENT_LABEL) == "router"

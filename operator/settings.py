@@ -29,6 +29,9 @@ class OperatorSettings(BaseModel):
     # how often every pool is reconciled even when nothing was seen to change
     resync_interval_s: float = Field(60.0, gt=0)
     scrape_timeout_s: float = Field(2.0, gt=0)
+    # Pools' podTemplates may ask for host access (privileged, host namespaces, hostPath,
+    # hostPort): off, whoever may create a pool cannot get this operator's rights through one.
+    allow_host_access: bool = False
     # kopf peering: two replicas of the operator with the same name take turns, one active
     peering: str | None = None
     # The highest live priority is the active replica; equal priorities freeze every replica,

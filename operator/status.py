@@ -25,6 +25,7 @@ class Observed:
     deployments: dict[str, Manifest | None] = field(default_factory=dict)
     error: str | None = None  # the spec's problems (reason InvalidSpec)
     apply_error: str | None = None  # the API server refused a child (reason ApplyFailed)
+    owner_error: str | None = None  # a child's name is another's object (reason AlreadyOwned)
     autoscaler: dict[str, Any] | None = None  # status.autoscaler as recorded by the daemon
     slo: tuple[str, str, str] | None = None  # (status, reason, message) of SLOMet
     autoscaling: tuple[str, str, str] | None = None  # the same, for AutoscalingActive
@@ -139,6 +140,8 @@ def build_status(
 
     if observed.error:
         degraded = cond("Degraded", "True", "InvalidSpec", observed.error)
+    elif observed.owner_error:
+        degraded = cond("Degraded", "True", "AlreadyOwned", observed.owner_error)
     elif observed.apply_error:
         degraded = cond("Degraded", "True", "ApplyFailed", observed.apply_error)
     else:

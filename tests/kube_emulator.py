@@ -38,10 +38,35 @@ def chart_crds() -> dict[str, dict[str, Any]]:
     return {p.name: yaml.safe_load(p.read_text()) for p in sorted(CHART_CRDS.glob("*.yaml"))}
 
 
+def _expand_generate_name() -> None:
+    """Give a created object without a name one from its ``metadata.generateName``, as the
+    API server does (kopf names its Events that way; kmock 0.8 would store them all under
+    the name None and answer 409 from the second on). Patched once, for every emulator."""
+    import itertools
+
+    from kmock._internal import k8s
+
+    handle = k8s.KubernetesEmulator._handle
+    if getattr(handle, "expands_generate_name", False):
+        return
+    counter = itertools.count(1)
+
+    async def _handle(self: Any, request: Any) -> Any:
+        meta = request.data.get("metadata") if isinstance(request.data, dict) else None
+        if isinstance(meta, dict) and not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{next(counter):05d}"
+        return await handle(self, request)
+
+    _handle.expands_generate_name = True  # type: ignore[attr-defined]
+    k8s.KubernetesEmulator._handle = _handle  # type: ignore[method-assign]
+
+
 def declare_resources(emulator: Any) -> None:
     """Declare the built-in kinds and the chart's CRDs (with ``watch`` and ``list``: kopf
     serves nothing it cannot watch)."""
     import kmock
+
+    _expand_generate_name()
 
     for key, (kind, namespaced, subresources) in BUILTIN.items():
         emulator.resources[key] = kmock.ResourceInfo(

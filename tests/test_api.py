@@ -611,6 +611,7 @@ _SOURCES = {
     "hostPath": {"path": "/models/m"},
     "image": {"path": "/model"},
     "builtin": {},
+    "huggingface": {"repo": "org/m", "revision": "main"},
 }
 _MODEL = st.fixed_dictionaries(
     {
@@ -691,7 +692,8 @@ PROBLEMS = {
     "empty model source": (
         "p",
         spec_with(model={"name": "m", "source": {}}),
-        "spec.model.source: give exactly one model source: pvc, hostPath, image or builtin",
+        "spec.model.source: give exactly one model source: pvc, hostPath, image, builtin"
+        " or huggingface",
     ),
     "no model": ("p", {}, "spec.model: Field required"),
     "name too long": ("p" * 49, MINIMAL, "metadata.name: at most 48 characters"),

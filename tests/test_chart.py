@@ -654,11 +654,14 @@ def granted_to_routers() -> set[Need]:
 # kopf posts Events (core v1, POST only) about a pool for handler errors and warnings
 # (settings.posting.level is WARNING), which this run does not provoke.
 KOPF_EVENTS: set[Need] = {("", "events", "create")}
+# Not a request: the admission plugin OwnerReferencesPermissionEnforcement (on in OpenShift)
+# checks it when a child names its pool as owner with blockOwnerDeletion.
+OWNER_REFERENCES: set[Need] = {("kvpool.io", "inferencepools/finalizers", "update")}
 # Cluster's methods: every one of them is exercised by the run below (directly or through
 # handlers.sync), so a new one (a new kind of API call) fails here until it is.
 CLUSTER_METHODS = {
     "read", "apply", "owned_children", "prune", "scale", "deployment", "pods", "pool",
-    "patch_status", "kind_of",
+    "patch_status", "kind_of", "record", "converged",
 }  # fmt: skip
 
 
@@ -857,7 +860,7 @@ async def test_rbac_grants_exactly_what_the_operator_needs(
     requests = await operator_requests(docs, kmock, tmp_path, monkeypatch)
     cluster_needs = {need for ns, need in requests if ns is None}
     namespaced_needs = {need for ns, need in requests if ns is not None}
-    namespaced_needs |= granted_to_routers() | KOPF_EVENTS
+    namespaced_needs |= granted_to_routers() | KOPF_EVENTS | OWNER_REFERENCES
     cluster_grants, namespace_grants = grants(docs)
     watched = VALUE_SETS[value_set].get("watchNamespaces", [])
 
@@ -894,7 +897,9 @@ def test_rbac_uses_no_wildcard_and_binds_only_the_operator(
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], f"{role['kind']} {key}: a wildcard"
             assert set(rule) == {"apiGroups", "resources", "verbs"}, rule
-            assert not {"update", "escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            if "update" in rule["verbs"]:  # only what owner references need
+                assert rule["resources"] == ["inferencepools/finalizers"], rule
     for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}

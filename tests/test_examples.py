@@ -27,6 +27,7 @@ from kvpool.api.inferencepool import InferencePoolSpec
 from kvpool.api.manifests import load_pools
 from kvpool.operator.render import (
     GROUP_LABEL,
+    HF_SNAPSHOT,
     MODEL_MOUNT,
     ROLE_LABEL,
     Images,
@@ -240,11 +241,40 @@ def claims_vllm_disaggregated(pool: str, spec: InferencePoolSpec, children: list
         assert {"name": "nixl", "containerPort": port, "protocol": "TCP"} in c["ports"]
 
 
+def claims_vllm_huggingface(pool: str, spec: InferencePoolSpec, children: list[Manifest]) -> None:
+    """vLLM workers whose init containers download the repository at its revision into the
+    claim the file makes, with the token from the Secret; vLLM serves the snapshot offline;
+    the router downloads the tokenizer."""
+    hf = spec.model.source.huggingface
+    assert hf is not None and hf.token_secret_ref is not None and hf.cache_claim_name
+    assert set(workers(children)) == {"decode"}
+    assert_gpu_workers(children, IMAGES.vllm)
+    assert_vllm_prefix_caching_and_events(children, spec)
+    claims = {d["metadata"]["name"]: d for d in documents("vllm-huggingface.yaml")}
+    assert "ReadWriteMany" in claims[hf.cache_claim_name]["spec"]["accessModes"]
+    token = {"secretKeyRef": {"name": hf.token_secret_ref.name, "key": "token"}}
+    for role, deployment in workers(children).items():
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["hf-cache"]["persistentVolumeClaim"]["claimName"] == hf.cache_claim_name
+        [init] = pod["initContainers"]
+        assert init["image"] == IMAGES.vllm and hf.revision in init["args"], role
+        assert env_of(init)["HF_TOKEN"] == token, role
+        c = container(deployment, "worker")
+        assert c["args"][0] == HF_SNAPSHOT and env_of(c)["HF_HUB_OFFLINE"] == "1", role
+        assert "HF_TOKEN" not in env_of(c), role
+    router_pod = router_deployment(children)["spec"]["template"]["spec"]
+    [init] = router_pod["initContainers"]
+    assert init["command"] == ["kvpool", "worker", "fetch-model"] and "--include" in init["args"]
+    assert router_config_map(children)["data"]["KVPOOL_ROUTER_MODEL"] == HF_SNAPSHOT
+
+
 CLAIMS: dict[str, Callable[[str, InferencePoolSpec, list[Manifest]], None]] = {
     "tiny-cpu.yaml": claims_tiny_cpu,
     "gpu-kvpool-pvc.yaml": claims_gpu_kvpool_pvc,
     "vllm-aggregated.yaml": claims_vllm_aggregated,
     "vllm-disaggregated.yaml": claims_vllm_disaggregated,
+    "vllm-huggingface.yaml": claims_vllm_huggingface,
 }
 
 

@@ -21,6 +21,7 @@ from kvpool.operator.autoscaler import (
     RoleSignals,
     ScalingPolicy,
     Signals,
+    compact,
     decide,
 )
 
@@ -179,7 +180,8 @@ def test_prefill_backlog_scales_the_prefill_role_before_ttft_shows_it() -> None:
 
     run = simulate(DISAGGREGATED, plant, Pool({"prefill": 2, "decode": 2}), duration=600)
     first = run.changes("prefill")[0]
-    assert first.time == 0  # nothing in the window says otherwise
+    # the first round on which the backlog has been seen for the whole scale-up window
+    assert first.time == DISAGGREGATED.scale_up.stabilization_window_s
     assert first.raw == 10 and first.desired == 4
     assert first.reason.startswith("scale up: prefill backlog 20000 tokens/replica (2.50s)")
     assert run.pool.replicas["prefill"] == 8  # the max
@@ -188,7 +190,7 @@ def test_prefill_backlog_scales_the_prefill_role_before_ttft_shows_it() -> None:
 
 def test_backlog_in_an_aggregated_pool_scales_the_decode_role() -> None:
     queued = lambda t, n: 2 * 8000.0 * TTFT_TARGET * 1.5  # noqa: E731
-    run = simulate(AGGREGATED, aggregated_plant(queued=queued), Pool({"decode": 2}), duration=60)
+    run = simulate(AGGREGATED, aggregated_plant(queued=queued), Pool({"decode": 2}), duration=120)
     assert run.changes()[0].desired == 3
     assert "prefill backlog" in run.changes()[0].reason
 
@@ -206,7 +208,7 @@ def test_kv_usage_above_target_scales_up_until_within_tolerance() -> None:
 
 def test_waiting_requests_per_ready_replica_scale_up() -> None:
     waiting = lambda t, n: 12.0  # noqa: E731
-    run = simulate(AGGREGATED, aggregated_plant(waiting=waiting), Pool({"decode": 2}), duration=30)
+    run = simulate(AGGREGATED, aggregated_plant(waiting=waiting), Pool({"decode": 2}), duration=90)
     assert run.changes()[0].reason.startswith("scale up: waiting 6.0 requests/replica > target 2")
 
 
@@ -296,9 +298,11 @@ def test_a_count_below_min_is_raised_at_once_even_without_metrics() -> None:
 
 
 def test_a_count_above_max_is_lowered_at_once_despite_cooldown_and_windows() -> None:
+    policy = replace(AGGREGATED, scale_up=Behavior(0.0, 2))  # scale up on one sample
     state = AutoscalerState()
-    _, state = decide(AGGREGATED, Signals(0.0, 2.0, 0.04, role(6)), state)  # a change at t=0
-    recs, _ = decide(AGGREGATED, Signals(15.0, 2.0, 0.04, role(12)), state)
+    recs, state = decide(policy, Signals(0.0, 2.0, 0.04, role(6)), state)
+    assert recs["decode"].desired == 8  # a change at t=0: the cooldown runs
+    recs, _ = decide(policy, Signals(15.0, 2.0, 0.04, role(12)), state)
     assert recs["decode"].desired == 8
     assert recs["decode"].reason.startswith("bounds: 12 replicas, above max 8")
 
@@ -345,6 +349,75 @@ def test_a_fresh_state_does_not_scale_down_at_once() -> None:
     assert run.recs[0]["decode"].reason.startswith("hold: scale-down to 1 waits for 300s")
 
 
+def breach(t: float, replicas: int = 2) -> Signals:
+    return Signals(t, 1.0, 0.04, role(replicas))  # TTFT twice the target: 4 replicas
+
+
+def test_a_fresh_state_does_not_scale_up_on_one_sample() -> None:
+    # a new pool, or an operator that restarted with nothing to resume
+    recs, state = decide(AGGREGATED, breach(10_000.0), AutoscalerState())
+    assert recs["decode"].desired == 2
+    assert recs["decode"].reason.startswith("hold: scale-up to 4 waits for 60s of proposals")
+    assert state.roles["decode"].since == 10_000.0
+
+
+def test_a_scale_up_needs_three_proposals_spanning_its_window() -> None:
+    window = AGGREGATED.scale_up.stabilization_window_s
+    # two proposals a whole window apart are not enough
+    _, state = decide(AGGREGATED, breach(0.0), AutoscalerState())
+    recs, _ = decide(AGGREGATED, breach(window), state)
+    assert recs["decode"].desired == 2
+    assert recs["decode"].reason.startswith("hold: scale-up to 4 waits for 3 proposals in 60s")
+    # three within 10 s are not enough either: they do not span the window
+    state = AutoscalerState()
+    for t in (0.0, 5.0, 10.0):
+        recs, state = decide(AGGREGATED, breach(t), state)
+    assert recs["decode"].reason.startswith("hold: scale-up to 4 waits for 60s of proposals")
+    # three spanning it are
+    state = AutoscalerState()
+    for t in (0.0, window / 2, window):
+        recs, state = decide(AGGREGATED, breach(t), state)
+    assert (recs["decode"].desired, recs["decode"].time) == (4, window)
+
+
+def test_scale_up_and_scale_down_wait_alike() -> None:
+    calm = lambda t: Signals(t, 0.05, 0.005, role(6, kv=0.05))  # noqa: E731
+    for signals, window in ((breach, AGGREGATED.scale_up), (calm, AGGREGATED.scale_down)):
+        state = AutoscalerState()
+        t = 0.0
+        while True:
+            recs, state = decide(AGGREGATED, signals(t), state)
+            if recs["decode"].desired != recs["decode"].current:
+                break
+            t += TICK
+        assert t == window.stabilization_window_s
+
+
+def test_a_window_of_zero_scales_on_one_sample() -> None:
+    policy = replace(AGGREGATED, scale_up=Behavior(0.0, 2))
+    recs, _ = decide(policy, breach(0.0), AutoscalerState())
+    assert recs["decode"].desired == 4
+    assert recs["decode"].reason == "scale up: TTFT p90 1.00s > target 0.50s"
+
+
+def test_a_gap_between_rounds_restarts_the_windows() -> None:
+    policy = replace(AGGREGATED, max_gap_s=45.0)
+    state = AutoscalerState()
+    for t in (0.0, 15.0, 30.0, 45.0):
+        _, state = decide(policy, breach(t), state)
+    # nobody looked for 90 s: what was seen before does not vouch for the window
+    recs, state = decide(policy, breach(135.0), state)
+    assert recs["decode"].desired == 2
+    assert state.roles["decode"].since == 135.0
+    assert state.roles["decode"].proposals == ((135.0, 4),)
+    # without a limit the run goes on (but the window still needs three proposals)
+    state = AutoscalerState()
+    for t in (0.0, 15.0, 30.0, 45.0, 135.0):
+        recs, state = decide(AGGREGATED, breach(t), state)
+    assert state.roles["decode"].since == 0.0
+    assert recs["decode"].reason.startswith("hold: scale-up to 4 waits for 3 proposals in 60s")
+
+
 def test_cooldown_spaces_changes_of_a_role() -> None:
     policy = replace(AGGREGATED, cooldown_s=120.0, scale_up=Behavior(0.0, 1))
     plant = aggregated_plant(ttft=lambda t, n: 10.0)
@@ -359,8 +432,10 @@ def test_no_scale_up_while_added_replicas_are_not_ready() -> None:
     plant = aggregated_plant(ttft=lambda t, n: 10.0)
     run = simulate(policy, plant, Pool({"decode": 1}, ready_after=90.0), duration=600)
     times = [c.time for c in run.changes()]
-    assert times[:3] == [0, 90, 180]
-    assert run.recs[1]["decode"].reason.startswith(
+    window = policy.scale_up.stabilization_window_s
+    assert times[:3] == [window, window + 90, window + 180]
+    after_first = run.recs[int(window / TICK) + 1]["decode"]
+    assert after_first.reason.startswith(
         "hold: 2 of 3 replicas not ready yet; no scale-up until they are"
     )
 
@@ -387,12 +462,25 @@ def test_decide_is_deterministic_and_leaves_the_given_state_alone() -> None:
     assert repr(state) == before
 
 
-def test_history_is_kept_to_the_longest_window() -> None:
+def test_history_is_kept_to_the_longest_window_and_compact() -> None:
     state = AutoscalerState()
     for t in range(0, 3600, 15):
         _, state = decide(AGGREGATED, Signals(float(t), 0.5, 0.04, role(3)), state)
     kept = state.roles["decode"].proposals
-    assert len(kept) == 300 // 15 + 1
+    # the same proposal for an hour: the last three say all a window can ask of it
+    assert [t for t, _ in kept] == [3555.0, 3570.0, 3585.0]
+    assert state.roles["decode"].since == 0.0
+
+
+def test_compacted_history_keeps_each_windows_lowest_and_highest() -> None:
+    proposals = tuple((float(t), p) for t, p in enumerate([5, 2, 7, 3, 6, 4, 4, 4, 4, 5]))
+    kept = compact(proposals)
+    # 2 and 7 are not beaten later; 3 is lower than all after it, 6 higher; then the last 3
+    assert kept == ((1.0, 2), (2.0, 7), (3.0, 3), (4.0, 6), (7.0, 4), (8.0, 4), (9.0, 5))
+    for start in range(len(proposals)):
+        window = [p for t, p in proposals if t >= start]
+        inside = [p for t, p in kept if t >= start]
+        assert (min(inside), max(inside)) == (min(window), max(window))
 
 
 # -- properties --------------------------------------------------------------------------
@@ -488,5 +576,6 @@ def test_a_near_zero_prefill_rate_scales_up_by_a_step_without_overflowing() -> N
         prefill=role(2, queued=1.0, rate=5e-324),
         decode=role(2),
     )
-    recs, _ = decide(DISAGGREGATED, signals, AutoscalerState())
-    assert recs["prefill"].desired == 2 + DISAGGREGATED.scale_up.max_step
+    policy = replace(DISAGGREGATED, scale_up=Behavior(0.0, 2))  # one sample decides
+    recs, _ = decide(policy, signals, AutoscalerState())
+    assert recs["prefill"].desired == 2 + policy.scale_up.max_step

@@ -79,6 +79,11 @@ class Cluster:
         self.replicas = replicas
 
 
+# The rounds of one scale-up window (60 s by default): a change needs three proposals or
+# more spanning it.
+WINDOW = [0.0, 15.0, 30.0, 45.0, 60.0]
+
+
 def run_rounds(spec: dict[str, Any], cluster: Cluster, times: list[float]) -> PoolRuntime:
     rt = PoolRuntime()
     pool = validate_pool("p", spec)
@@ -90,24 +95,29 @@ def run_rounds(spec: dict[str, Any], cluster: Cluster, times: list[float]) -> Po
 def test_active_round_scales_the_deployment_and_records_why() -> None:
     with worker_metrics(kv_usage=0.99, waiting=12) as port:
         cluster = Cluster(2, port)
-        rt = run_rounds(SPEC, cluster, [0.0])
+        rt = run_rounds(SPEC, cluster, WINDOW)
     assert cluster.scaled == [("p-decode", 4)]  # waiting 6/replica: 3x, capped by step +2
     decision = rt.autoscaler_status["decisions"][-1]
     assert (decision["current"], decision["desired"], decision["applied"]) == (2, 4, True)
+    assert decision["time"] == "T60"  # once the breach spanned the scale-up window
     assert "waiting" in decision["reason"]
     assert rt.autoscaling[0] == "True"
+    assert rt.events == [("Normal", "ScaledUp", f"decode: 2 -> 4 replicas: {decision['reason']}")]
 
 
 def test_advisory_keeps_advising_and_changes_nothing() -> None:
     spec = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "Advisory"}}
     with worker_metrics(kv_usage=0.99, waiting=12) as port:
         cluster = Cluster(2, port)
-        rt = run_rounds(spec, cluster, [0.0, 15.0, 30.0, 45.0])
+        rt = run_rounds(spec, cluster, [*WINDOW, 75.0])
     assert cluster.scaled == []
     rec = rt.autoscaler_status["recommendation"]["decode"]
     assert (rec["current"], rec["desired"], rec["applied"]) == (2, 4, False)  # no cooldown
     assert len(rt.autoscaler_status["decisions"]) == 1  # the same advice is not news
     assert rt.autoscaling[1] == "Advisory"
+    assert [(kind, reason) for kind, reason, _ in rt.events] == [("Normal", "RecommendScaleUp")]
+    # advice starts no cooldown, in the state a successor resumes either
+    assert "lastChange" not in rt.autoscaler_status["state"]["decode"]
 
 
 def test_a_round_waits_for_the_deployment_to_exist() -> None:
@@ -147,8 +157,8 @@ def test_slo_condition_compares_the_windowed_quantile_with_the_target(
 def test_decisions_are_counted_for_metrics_by_role_label_direction_and_mode() -> None:
     advisory = {**SPEC, "autoscaling": {**SPEC["autoscaling"], "mode": "Advisory"}}
     with worker_metrics(kv_usage=0.99, waiting=12) as port:
-        active = run_rounds(SPEC, Cluster(2, port), [0.0])
-        advised = run_rounds(advisory, Cluster(2, port), [0.0, 15.0, 30.0])
+        active = run_rounds(SPEC, Cluster(2, port), WINDOW)
+        advised = run_rounds(advisory, Cluster(2, port), [*WINDOW, 75.0, 90.0])
     # an aggregated pool: its one role is "both" on the workers' pods, so in the metrics
     assert active.decisions_total == {("both", "up", "Active"): 1, ("both", "down", "Active"): 0}
     assert active.recommended == {"both": 4}

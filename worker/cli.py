@@ -2,6 +2,8 @@
 
 * ``make-tiny-model DIR``: write the deterministic tiny random Llama model and tokenizer
   that tests and the local demo run;
+* ``fetch-model --repo R --revision V --dir D``: download a Hugging Face snapshot into the
+  cache and link it at D (a pod's init container; the token comes from ``HF_TOKEN``);
 * ``generate --model DIR PROMPT...``: run prompts through the engine and print the text,
   a quick check that a model directory loads and generates;
 * ``serve --model DIR``: the OpenAI-compatible worker server (``--engine sim`` for the
@@ -44,6 +46,25 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     path = make_tiny_model(args.dir, seed=args.seed, architecture=args.architecture)
     print(f"wrote a tiny random {args.architecture} model to {path}")
+    return 0
+
+
+def _cmd_fetch_model(args: argparse.Namespace) -> int:
+    from huggingface_hub.utils import disable_progress_bars
+
+    from .fetch import fetch_model
+
+    disable_progress_bars()
+    snapshot = fetch_model(
+        args.repo,
+        args.revision,
+        args.dir,
+        cache_dir=args.cache_dir,
+        include=args.include,
+        exclude=args.exclude,
+    )
+    # the commit is the snapshot's name: the log says which one a branch resolved to
+    print(f"fetched {args.repo} at {args.revision} (commit {snapshot.name}): {args.dir}")
     return 0
 
 
@@ -183,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="llama")
     p.set_defaults(func=_cmd_make_tiny_model)
+
+    p = sub.add_parser("fetch-model", help="download a model snapshot from the Hugging Face Hub")
+    p.add_argument("--repo", required=True, help="the repository, e.g. Qwen/Qwen3-0.6B")
+    p.add_argument("--revision", required=True, help="a branch, a tag or a commit sha")
+    p.add_argument("--dir", required=True, help="where the snapshot appears (a symbolic link)")
+    p.add_argument("--cache-dir", default=None, help="the Hugging Face cache (default: HF_HOME's)")
+    p.add_argument("--include", action="append", default=[], help="only files matching (glob)")
+    p.add_argument("--exclude", action="append", default=[], help="no files matching (glob)")
+    p.set_defaults(func=_cmd_fetch_model)
 
     p = sub.add_parser("generate", help="generate text for prompts with a model directory")
     p.add_argument("prompts", nargs="+")

@@ -14,9 +14,19 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationInfo,
+    WithJsonSchema,
+)
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
+from .podtemplate import MAX_DEPTH, describe, template_problems, too_deep
 from .rules import Rule, RuledModel
 
 GROUP = "kvpool.io"
@@ -68,9 +78,34 @@ def _int_or_string(pattern: str, minimum: int | None, what: str, examples: str) 
 # strings on the wire, which the CRD marks x-kubernetes-int-or-string.
 Quantity = _int_or_string(QUANTITY_PATTERN, None, "a quantity", "8Gi, 500m, 2")
 IntOrPercent = _int_or_string(r"^[0-9]+%$", 0, "a count or a percentage", "1, 25%")
+
+
+def _not_too_deep(value: Any) -> Any:
+    if too_deep(value):  # before anything recursive (a copy, a merge, a dump) walks it
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+POD_TEMPLATE_ERROR = "pod_template"
+
+
+def _pod_template(value: Any, info: ValidationInfo) -> Any:
+    """A template that asks for no more than the operator gives (``podtemplate``); host
+    access only where ``validate_pool(..., allow_host_access=True)`` says so."""
+    allow = bool((info.context or {}).get("allow_host_access"))
+    problems = template_problems(value, allow_host_access=allow)
+    if problems:  # one error, its problems kept apart for validate_pool to name each path
+        raise PydanticCustomError(
+            POD_TEMPLATE_ERROR, "{summary}", {"summary": describe(problems), "problems": problems}
+        )
+    return value
+
+
 # Kubernetes objects we pass through to pods as they are (affinity, tolerations, env
 # sources): the API server checks them when the Deployment is written.
-FreeForm = dict[str, Any]
+FreeForm = Annotated[dict[str, Any], BeforeValidator(_not_too_deep)]
+# A partial pod template, merged over a rendered one: checked for what it may ask for.
+PodTemplate = Annotated[dict[str, Any], BeforeValidator(_pod_template)]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 
@@ -118,16 +153,76 @@ class BuiltinSource(Spec):
     seed: int = Field(0, ge=0)
 
 
+def _matching(pattern: str, max_length: int, what: str, examples: str) -> Any:
+    """A string matching ``pattern`` (at most ``max_length`` long), refused with one message
+    that says what was expected, rather than the regex."""
+    regex = re.compile(pattern)
+
+    def check(value: Any) -> str:
+        if isinstance(value, str) and len(value) <= max_length and regex.fullmatch(value):
+            return value
+        raise ValueError(f"not {what}: {value!r} (e.g. {examples})")
+
+    schema = {"type": "string", "minLength": 1, "maxLength": max_length, "pattern": pattern}
+    return Annotated[str, PlainValidator(check), WithJsonSchema(schema)]
+
+
+# Object names (Secrets, claims) are DNS-1123 subdomains.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ObjectName = _matching(DNS_SUBDOMAIN, 253, "a DNS-1123 name", "hf-token, models")
+# The Hub's own rule (huggingface_hub's validate_repo_id), with the owner required.
+_HF_NAME = r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?"
+HFRepo = _matching(
+    f"^{_HF_NAME}/{_HF_NAME}$", 96, "a Hugging Face repository id", "Qwen/Qwen3-0.6B"
+)
+# A branch, a tag or a commit sha (a git ref name: no spaces, no leading '-' or '/').
+HFRevision = _matching(
+    r"^[A-Za-z0-9_][A-Za-z0-9_.+/-]*$", 255, "a branch, tag or commit sha", "main, v1.0, a sha"
+)
+
+
+class SecretKeySelector(Spec):
+    """A key of a Secret in the pool's namespace."""
+
+    name: ObjectName
+    key: str = Field("token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+class HuggingFaceSource(Spec):
+    """Weights downloaded from the Hugging Face Hub by an init container of every pod.
+
+    The revision is part of the pod template, so changing it rolls the pool. A commit sha
+    pins the weights exactly; a branch ("main") is read when each pod starts, so pods started
+    after the branch moves load the new commit."""
+
+    repo: HFRepo
+    revision: HFRevision = Field(
+        description="a commit sha pins the weights exactly; a branch is read as each pod starts"
+    )
+    token_secret_ref: SecretKeySelector | None = Field(
+        None,
+        description="the Secret holding a Hub token, for gated and private repositories"
+        " (given to the download containers only, as HF_TOKEN)",
+    )
+    cache_claim_name: ObjectName | None = Field(
+        None,
+        description="a PersistentVolumeClaim (ReadWriteMany) that keeps the download between"
+        " pods; without one, each worker pod downloads into an emptyDir",
+    )
+
+
 class ModelSource(RuledSpec):
-    """Where the weights are: exactly one of pvc, hostPath, image, builtin."""
+    """Where the weights are: exactly one of pvc, hostPath, image, builtin, huggingface."""
 
     rules = (
         Rule(
             cel="(has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0)"
-            " + (has(self.image) ? 1 : 0) + (has(self.builtin) ? 1 : 0) == 1",
-            message="give exactly one model source: pvc, hostPath, image or builtin",
+            " + (has(self.image) ? 1 : 0) + (has(self.builtin) ? 1 : 0)"
+            " + (has(self.huggingface) ? 1 : 0) == 1",
+            message="give exactly one model source: pvc, hostPath, image, builtin or huggingface",
             check=lambda s: (
-                sum(x is not None for x in (s.pvc, s.host_path, s.image, s.builtin)) == 1
+                sum(x is not None for x in (s.pvc, s.host_path, s.image, s.builtin, s.huggingface))
+                == 1
             ),
         ),
     )
@@ -136,6 +231,7 @@ class ModelSource(RuledSpec):
     host_path: HostPathSource | None = None
     image: ImageSource | None = None
     builtin: BuiltinSource | None = None
+    huggingface: HuggingFaceSource | None = None
 
 
 class ModelSpec(Spec):
@@ -192,6 +288,12 @@ def _python_hash_seed(seed: str) -> bool:
     return re.fullmatch(r"[0-9]{1,10}", seed) is not None and int(seed) <= 4294967295
 
 
+class LocalObjectReference(Spec):
+    """A Secret in the pool's namespace, by name (an image pull secret)."""
+
+    name: ObjectName
+
+
 class EngineSpec(RuledSpec):
     rules = (
         Rule(
@@ -219,6 +321,11 @@ class EngineSpec(RuledSpec):
     type: Literal["kvpool", "vllm"] = "kvpool"
     image: str | None = Field(None, max_length=1024, description="default: the operator's")
     image_pull_policy: PullPolicy | None = None
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Secrets to pull the worker images with (every container of worker pods)",
+    )
     port: int = Field(8000, ge=1, le=65535)
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (router agrees)")
     hash_seed: str = Field("0", min_length=1, max_length=64)
@@ -276,7 +383,7 @@ class RoleSpec(Spec):
     args: list[str] = Field(default_factory=list, description="appended after engine.args")
     env: list[EnvVar] = Field(default_factory=list)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    pod_template: FreeForm | None = Field(
+    pod_template: PodTemplate | None = Field(
         None,
         description="a partial pod template merged over the rendered one"
         " (containers by name; the worker container is named 'worker')",
@@ -316,6 +423,15 @@ class RouterSpec(Spec):
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[FreeForm] = Field(default_factory=list)
+    affinity: FreeForm | None = None
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="Secrets to pull the router image with"
+    )
+    pod_template: PodTemplate | None = Field(
+        None,
+        description="a partial pod template merged over the router's"
+        " (containers by name; the router container is named 'router')",
+    )
 
 
 # --- SLO and autoscaling --------------------------------------------------------------------
@@ -356,17 +472,34 @@ class ScalingBehavior(Spec):
 
 
 class AutoscalingSpec(RuledSpec):
+    """Who sets the workers' replicas. ``enabled``: the operator's SLO autoscaler runs
+    (``Active``: it writes them; ``Advisory``: it records its advice in status). ``External``
+    and ``externalRoles``: an HPA or KEDA owns them, so the operator never writes them (it
+    renders those Deployments without ``replicas``); they need neither ``enabled`` nor an
+    SLO, and with ``enabled`` the SLO autoscaler only advises on them."""
+
     rules = (
         Rule(
-            cel="!has(self.enabled) || !self.enabled || has(self.decode)",
-            message="autoscaling.decode (minReplicas, maxReplicas) is required when enabled",
-            check=lambda s: not s.enabled or s.decode is not None,
+            cel="!has(self.enabled) || !self.enabled || has(self.decode)"
+            " || (has(self.mode) && self.mode == 'External')"
+            " || (has(self.externalRoles) && 'decode' in self.externalRoles)",
+            message="autoscaling.decode (minReplicas, maxReplicas) is required when enabled"
+            " (unless an HPA or KEDA owns decode: mode External or externalRoles)",
+            check=lambda s: not s.enabled or s.decode is not None or s.external("decode"),
         ),
     )
 
     enabled: bool = False
-    mode: Literal["Active", "Advisory"] = Field(
-        "Active", description="Advisory records recommendations in status and changes nothing"
+    mode: Literal["Active", "Advisory", "External"] = Field(
+        "Active",
+        description="Advisory records recommendations in status and changes nothing;"
+        " External leaves every role's replicas to an HPA or KEDA (enabled not needed)",
+    )
+    external_roles: list[Literal["prefill", "decode"]] = Field(
+        default_factory=list,
+        max_length=2,
+        description="roles whose replicas an HPA or KEDA owns, whatever the mode:"
+        " the operator renders them without replicas and never writes them",
     )
     interval_seconds: int = Field(15, ge=5, le=3600)
     window_seconds: int = Field(120, ge=15, le=3600, description="metrics window of quantiles")
@@ -382,6 +515,10 @@ class AutoscalingSpec(RuledSpec):
     kv_usage_target: float = Field(0.85, gt=0, le=1)
     waiting_per_replica_target: float = Field(2.0, gt=0)
 
+    def external(self, role: str) -> bool:
+        """True when an HPA or KEDA, not kvpool, owns this role's replica count."""
+        return self.mode == "External" or role in self.external_roles
+
 
 # --- the spec -------------------------------------------------------------------------------
 
@@ -393,6 +530,10 @@ _AUTOSCALING = (
     "(has(self.autoscaling) && has(self.autoscaling.enabled) && self.autoscaling.enabled)"
 )
 _ENGINE = "(has(self.engine) && has(self.engine.type) ? self.engine.type : 'kvpool')"
+_PREFILL_EXTERNAL = (
+    "((has(self.autoscaling.mode) && self.autoscaling.mode == 'External')"
+    " || (has(self.autoscaling.externalRoles) && 'prefill' in self.autoscaling.externalRoles))"
+)
 
 
 class InferencePoolSpec(RuledSpec):
@@ -411,13 +552,16 @@ class InferencePoolSpec(RuledSpec):
             check=lambda s: s.disaggregation.mode != "Aggregated" or s.prefill is None,
         ),
         Rule(
-            cel=f"!{_AUTOSCALING} || {_MODE} == 'Aggregated' || has(self.autoscaling.prefill)",
+            cel=f"!{_AUTOSCALING} || {_MODE} == 'Aggregated' || has(self.autoscaling.prefill)"
+            f" || {_PREFILL_EXTERNAL}",
             message="autoscaling.prefill (minReplicas, maxReplicas) is required when"
-            " autoscaling is enabled in a Disaggregated or Auto pool",
+            " autoscaling is enabled in a Disaggregated or Auto pool"
+            " (unless an HPA or KEDA owns prefill: mode External or externalRoles)",
             check=lambda s: (
                 not s.autoscaling.enabled
                 or s.disaggregation.mode == "Aggregated"
                 or s.autoscaling.prefill is not None
+                or s.autoscaling.external("prefill")
             ),
         ),
         Rule(
@@ -463,7 +607,16 @@ class InferencePoolSpec(RuledSpec):
             and a.enabled
             and a.mode == "Active"
             and getattr(a, role) is not None
+            and not a.external(role)
         )
+
+    def replicas_owner(self, role: str) -> Literal["spec", "autoscaler", "external"]:
+        """Who writes this role's Deployment replicas: the spec (``replicas``), kvpool's SLO
+        autoscaler (Active, with bounds), or an HPA or KEDA (``External``,
+        ``externalRoles``), in which case the operator never writes them."""
+        if self.autoscaling.external(role):
+            return "external"
+        return "autoscaler" if self.autoscaled(role) else "spec"
 
 
 # --- status ---------------------------------------------------------------------------------
@@ -505,6 +658,24 @@ class ScalingDecision(Status):
     applied: bool = Field(description="false in Advisory mode, or when nothing changed")
 
 
+# The most proposals kept per role (the operator's autoscaler.MAX_PROPOSALS; a test checks).
+MAX_SCALING_PROPOSALS = 64
+
+
+class RoleScalingState(Status):
+    """What one role's stabilisation windows remember, kept in status so that an operator
+    that restarts, or a replica that takes over, resumes them. Times are Unix seconds."""
+
+    since: float | None = Field(None, description="when the current run of proposals began")
+    last_change: float | None = Field(None, description="when replicas last changed (cooldown)")
+    proposals: list[Annotated[list[float], Field(min_length=2, max_length=2)]] = Field(
+        default_factory=list,
+        max_length=MAX_SCALING_PROPOSALS,
+        description="[time, replicas] of the run's proposals that can still decide, oldest"
+        " first: those within the longest stabilization window, compacted",
+    )
+
+
 class AutoscalerStatus(Status):
     last_evaluation_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     ttft_seconds: float | None = Field(None, description="TTFT at the SLO quantile, windowed")
@@ -512,6 +683,9 @@ class AutoscalerStatus(Status):
     recommendation: dict[str, ScalingDecision] = Field(default_factory=dict)
     decisions: list[ScalingDecision] = Field(
         default_factory=list, max_length=5, description="the last five changes recommended"
+    )
+    state: dict[Literal["prefill", "decode"], RoleScalingState] = Field(
+        default_factory=dict, description="the autoscaler's memory, by role, for its successor"
     )
 
 
@@ -525,15 +699,19 @@ class InferencePoolStatus(Status):
     autoscaler: AutoscalerStatus | None = None
 
 
-def validate_pool(name: str, spec: Any) -> InferencePoolSpec:
-    """The spec as a model, or a ValueError naming every problem (field path: message)."""
+def validate_pool(name: str, spec: Any, *, allow_host_access: bool = False) -> InferencePoolSpec:
+    """The spec as a model, or a ValueError naming every problem (field path: message).
+
+    ``allow_host_access``: pod templates may ask for privileged containers, host namespaces,
+    hostPath volumes and host ports (the operator's ``allowHostAccess``)."""
     from pydantic import ValidationError
 
     problems = []
     if not NAME_RULE.check(name):
         problems.append(NAME_RULE.message)
+    context = {"allow_host_access": allow_host_access}
     try:
-        pool = InferencePoolSpec.model_validate(spec)
+        pool = InferencePoolSpec.model_validate(spec, context=context)
     except ValidationError as e:
         problems.extend(_describe(err) for err in e.errors())
         pool = None
@@ -545,5 +723,7 @@ def validate_pool(name: str, spec: Any) -> InferencePoolSpec:
 
 def _describe(err: Any) -> str:
     loc = ".".join(str(p) for p in ("spec", *err["loc"]))
+    if err["type"] == POD_TEMPLATE_ERROR:  # a path inside the template for each problem
+        return describe(err["ctx"]["problems"], loc)
     msg = err["msg"].removeprefix("Value error, ")
     return f"{loc}: {msg}"

@@ -99,9 +99,16 @@ cluster-wide (ClusterRole) or in each watched namespace (Role). Each rule says w
 - apiGroups: ["kvpool.io"]
   resources: ["inferencepools/status"]
   verbs: ["patch"]
+# Children name their pool as owner with blockOwnerDeletion: where the API server enforces
+# OwnerReferencesPermissionEnforcement (OpenShift does), that needs update on the owner's
+# finalizers. No request of the operator uses it: the admission check does.
+- apiGroups: ["kvpool.io"]
+  resources: ["inferencepools/finalizers"]
+  verbs: ["update"]
 # The children of a pool: kopf watches each kind (a child edited or deleted by hand is
-# restored); apply reads, creates and merge-patches; prune lists and deletes; the
-# autoscaler merge-patches a Deployment's replicas (no deployments/scale).
+# restored), only those with the operator's managed-by label (a selector the API server
+# applies); apply reads, creates and patches (server-side apply); prune lists and deletes;
+# the autoscaler patches a Deployment's replicas (no deployments/scale).
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
