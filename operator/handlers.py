@@ -355,12 +355,12 @@ def _sync_once(
         except ApiException as exc:
             lives, apply_error = [], f"reading the children: {exc.status} {exc.reason}"
         taken = [
-            f"{child['kind']} {child['metadata']['name']} is {who}"
+            str(AlreadyOwned(child, who))
             for child, live in zip(children, lives, strict=False)
             if live is not None and (who := foreign_owner(live, name, meta["uid"]))
         ]
         if taken:  # another's object: touch none, so that nothing half-made serves
-            owner_error = "; ".join(taken) + ": left alone (delete or rename it)"
+            owner_error = "; ".join(taken) + " (delete or rename it)"
             log.error("InferencePool %s/%s: %s", namespace, name, owner_error)
         elif lives:
             children = keep_default_images(children, lives)
@@ -370,13 +370,13 @@ def _sync_once(
                 break
             replicas = _worker_replicas(spec, child, live)
             try:
-                if not c.converged(live, child):
+                if not c.converged(live, child):  # the usual case, an unchanged pool: no apply
+                    live = c.apply(child, live, create_replicas=replicas)
                     changed.append(f"{child['kind']} {child['metadata']['name']}")
-                live = c.apply(child, live, create_replicas=replicas)
                 if replicas is not None:
                     live = c.scale(namespace, child["metadata"]["name"], replicas)
             except AlreadyOwned as exc:  # taken between the read and the write
-                owner_error = f"{exc}: delete or rename it"
+                owner_error = f"{exc} (delete or rename it)"
                 break
             except ApiException as exc:
                 apply_error = _describe_api_error(exc, child)
