@@ -8,6 +8,11 @@ router first, so no request is sent to a worker that is gone.
 ``--demo`` sends a few chat requests that share a long system prompt, prints for each the
 worker chosen, the cached prompt tokens and the time to first token, then the router's
 hit ratio, and stops the stack.
+
+The stack is one pool with one secret: a random pool secret is made for each start and
+given to the router and every worker through the environment (``KVPOOL_ROUTER_POOL_SECRET``,
+``KVPOOL_POOL_SECRET``), never on a command line. It signs prefill/decode hand-offs, keys
+the workers' admin token and guards their KV event sockets (see :mod:`kvpool.signing`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .signing import new_secret
 
 __all__ = [
     "Stack",
@@ -77,8 +84,8 @@ def _kvpool(*args: str) -> list[str]:
     ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONSAFEPATH": "1"}
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONSAFEPATH": "1", **extra}
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
@@ -131,6 +138,8 @@ class Stack:
     verbose: bool = False
     worker_urls: list[str] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: shared by the router and the workers; a new random one per start when not given
+    pool_secret: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -145,6 +154,11 @@ class Stack:
             raise StackError(f"{self.model} is not a model directory (no config.json)")
         quiet = None if self.verbose else subprocess.DEVNULL
         verbose = ["-v"] if self.verbose else []
+        secret = self.pool_secret = self.pool_secret or new_secret()
+        # The worker's variable (its settings' prefix is KVPOOL_); a file variable from
+        # the caller's environment would clash with it.
+        worker_env = _env(KVPOOL_POOL_SECRET=secret)
+        worker_env.pop("KVPOOL_POOL_SECRET_FILE", None)
         if self.engine == "sim":  # one process hosts the whole simulated fleet
             base, events = free_port_range(self.workers), free_port_range(self.workers)
             ports = list(range(base, base + self.workers))
@@ -156,7 +170,7 @@ class Stack:
                         "--kv-events-base-port", str(events),
                         "--num-blocks", str(self.num_blocks),
                     ),
-                    env=_env(), stdout=quiet, stderr=None, start_new_session=True,
+                    env=worker_env, stdout=quiet, stderr=None, start_new_session=True,
                 )
             )  # fmt: skip
         else:
@@ -171,7 +185,7 @@ class Stack:
                             "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
                         ),
-                        env=_env(), stdout=quiet, stderr=None, start_new_session=True,
+                        env=worker_env, stdout=quiet, stderr=None, start_new_session=True,
                     )
                 )  # fmt: skip
         self.worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -180,7 +194,8 @@ class Stack:
         args += ["--policy", self.policy]
         for url in self.worker_urls:
             args += ["--worker", url]
-        router = subprocess.Popen(_kvpool(*args), env=_env(), start_new_session=True)
+        router_env = _env(KVPOOL_ROUTER_POOL_SECRET=secret)
+        router = subprocess.Popen(_kvpool(*args), env=router_env, start_new_session=True)
         self.procs.insert(0, router)
         self._wait([self.url], timeout, "router")
 

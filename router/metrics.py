@@ -42,7 +42,22 @@ OUTCOMES = (
     "stream_error",  # a worker failed mid-stream: ended with an SSE error event
     "timeout",  # the request timeout passed
     "cancelled",  # the client went away
+    "unauthorized",  # 401: no key, or a key the router does not know
+    "rate_limited",  # 429: the tenant's requests or tokens limit
+    "shed",  # 429/503: flow control gave up on it (deadline, full queue, waited too long)
 )
+
+#: the priority bands of flow control, highest first
+BANDS = ("high", "normal", "low")
+#: why flow control shed a request (``kvpool_router_shed_total``)
+SHED_REASONS = (
+    "deadline",  # its predicted wait, or its wait so far, passed its TTFT deadline
+    "queue_full",  # the queue was at its bound in requests
+    "queue_bytes",  # the queue was at its bound in bytes
+    "displaced",  # it gave its place in a full queue to a more deserving request
+    "queue_timeout",  # it waited the longest a request may wait
+)
+QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 #: why ``kvpool_router_retries_total`` sent a request again
@@ -155,6 +170,22 @@ class _PoolCollector(Collector):
         yield from families.values()
 
 
+class _QueueCollector(Collector):
+    def __init__(self, depth: Callable[[], dict[str, int]]) -> None:
+        self.depth = depth
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvpool_router_queue_depth",
+            "Requests waiting in the router's flow-control queue, by priority band.",
+            labels=["band"],
+        )
+        depth = self.depth()
+        for band in BANDS:
+            family.add_metric([band], depth.get(band, 0))
+        yield family
+
+
 class RouterMetrics:
     def __init__(
         self, workers: Callable[[], list[WorkerState]], indexed_blocks: Callable[[str], int]
@@ -261,7 +292,58 @@ class RouterMetrics:
             buckets=LAG_BUCKETS,
             registry=r,
         )
+        # tenants and flow control
+        self.tenant_tokens = Counter(
+            "kvpool_router_tenant_tokens",
+            "Tokens served per tenant, from the answers' usage (kind: prompt or completion).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "kvpool_router_tenant_requests",
+            "Requests per tenant that reached the router's checks, by outcome.",
+            ["tenant", "outcome"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "kvpool_router_rate_limited",
+            "Requests refused with 429 by a tenant's limit (limit: requests or tokens).",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.shed = Counter(
+            "kvpool_router_shed",
+            "Requests flow control gave up on, by reason.",
+            ["reason", "band"],
+            registry=r,
+        )
+        for reason in SHED_REASONS:
+            for band in BANDS:
+                self.shed.labels(reason, band)
+        self.queue_wait = Histogram(
+            "kvpool_router_queue_wait_seconds",
+            "Time requests waited in the router's flow-control queue before going to a "
+            "worker, by priority band (requests that did not wait are not counted).",
+            ["band"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.saturated = Counter(
+            "kvpool_router_saturated",
+            "Requests that found the pool saturated (every eligible worker over the TTFT "
+            "bound, or its decode guard tripped) and were queued in the router.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("ttft", "guard", "concurrency"):
+            self.saturated.labels(reason)
+        self._queue_depth: Callable[[], dict[str, int]] = lambda: {}
         r.register(_PoolCollector(workers, indexed_blocks))
+        r.register(_QueueCollector(lambda: self._queue_depth()))
+
+    def watch_queue(self, depth: Callable[[], dict[str, int]]) -> None:
+        """Where ``kvpool_router_queue_depth`` reads each band's waiting requests."""
+        self._queue_depth = depth
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -466,6 +466,32 @@ class Policy:
         return "spill"  # a worker with more of the prefix was too busy
 
 
+def saturation(decision: Decision, bound_s: float) -> str | None:
+    """Why the pool cannot take this request now without queueing it at a worker, or None.
+
+    Saturated means every worker that could serve it (healthy, of its role and model) is
+    either dropped by the decode-load guard (``guard``) or, with prompt tokens of earlier
+    requests still queued there, predicts a time to first token over ``bound_s``
+    (``ttft``): sending it anyway only lengthens a worker queue, where it
+    would wait behind everything already there, whatever its priority. A request no worker
+    could serve at all is not saturation (it gets its 503 at once)."""
+    eligible = [
+        c for c in decision.candidates if c.filtered is None or c.filtered.startswith("decode-load")
+    ]
+    if not eligible:
+        return None
+    if all(c.filtered is not None for c in eligible):
+        return "guard"
+    # A worker with nothing queued takes it whatever its prediction: a long prompt on an
+    # idle pool predicts a long TTFT that no amount of waiting would shorten.
+    if all(
+        c.filtered is not None or (c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s)
+        for c in eligible
+    ):
+        return "ttft"
+    return None
+
+
 # -- prefill/decode split ----------------------------------------------------------------
 
 #: why a request went one way or the other (``kvpool_router_pd_decisions_total{reason}``)

@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import EventSubscriber, Received
 from kvpool.openai_api import WorkerInfo
+from kvpool.signing import kv_events_credential
 
 from .discovery import WorkerEndpoint
 from .index import BlockIndex
@@ -265,6 +266,9 @@ class PoolConfig:
     models_interval_s: float = 10.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    # the pool secret shared with kvpool workers: their KV event sockets want the
+    # credential derived from it (never logged)
+    pool_secret: str | None = field(default=None, repr=False)
 
 
 #: TTFTs seen before a worker's own prefill model is trusted over its peers'
@@ -568,6 +572,7 @@ class WorkerPool:
         self, state: WorkerState, endpoint: str, replay: str | None, topic: str
     ) -> None:
         self._stop_events(state)
+        secret = self.config.pool_secret
         sub = EventSubscriber(
             endpoint,
             replay,
@@ -576,6 +581,9 @@ class WorkerPool:
             # the router came are indexed too.
             start_seq=0 if replay else None,
             name=state.id,
+            # Only a kvpool worker (it has /kvpool/info) checks the credential; a vLLM
+            # publisher speaks ZMQ's NULL mechanism and would refuse one.
+            credential=kv_events_credential(secret) if secret and state.info else None,
         )
         state.subscriber = sub
         state.events_task = asyncio.create_task(self._events_loop(state, sub))

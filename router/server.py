@@ -43,17 +43,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from kvpool import __version__
+from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat_text
 
+from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
 from .metrics import RouterMetrics
 from .openapi import openapi_schema
-from .policy import Decision, Plan, Planner, RouteRequest
+from .policy import Decision, Plan, Planner, RouteRequest, saturation
 from .pool import Ticket, WorkerPool, WorkerState
 from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
@@ -111,6 +112,10 @@ class Routed:
     headers: dict[str, str] = field(default_factory=dict)
     #: the worker that stored the response this one continues (previous_response_id)
     pin: str | None = None
+    #: the most tokens it may generate, all choices together (for the tokens/minute limit)
+    max_tokens: int = 0
+    #: what admission gave it (its tenant, slot, reserved tokens), settled when it ends
+    admitted: Pass | None = None
 
 
 @dataclass
@@ -178,7 +183,10 @@ class Router:
         # Responses API ids -> the worker that stored them: vLLM keeps a stored response in
         # its process, so a request continuing it (previous_response_id) must go there.
         self.responses = SessionAffinity(s.session_capacity, s.session_ttl_s)
-        self._forwarded = FORWARDED_HEADERS + (("authorization",) if not s.worker_api_key else ())
+        # A client's own key goes to the workers (vLLM's --api-key) only while the router
+        # neither has one for them nor checks keys itself: a tenant's key stays here.
+        keep_auth = not s.worker_api_key and not s.api_keys_file
+        self._forwarded = FORWARDED_HEADERS + (("authorization",) if keep_auth else ())
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
@@ -188,7 +196,7 @@ class Router:
         self.model_name = s.model_name
         self.pool: WorkerPool | None = None
         self.metrics: RouterMetrics | None = None
-        self.active = 0
+        self.gate: Gate | None = None  # admission: tenants, limits, flow control
         self.draining = False
         self.bound_port: int | None = None
         self._discovery_task: asyncio.Task[None] | None = None
@@ -216,6 +224,9 @@ class Router:
         )
         pool = self.pool
         self.metrics = RouterMetrics(lambda: list(pool.workers.values()), pool.indexed_blocks)
+        self.gate = Gate(s, self.metrics, self._saturation)
+        self.gate.start()
+        tracing.configure("kvpool-router")
         if s.discovery == "kubernetes":
             from .discovery import KubernetesDiscovery
 
@@ -250,6 +261,8 @@ class Router:
             log.exception("worker discovery failed; the workers known so far stay")
 
     async def shutdown(self) -> None:
+        if self.gate is not None:
+            await self.gate.close()
         if self._discovery_task is not None:
             self._discovery_task.cancel()
             with contextlib.suppress(BaseException):
@@ -258,6 +271,24 @@ class Router:
             await self.pool.close()
         if self.upstream is not None:
             await self.upstream.close()
+
+    @property
+    def active(self) -> int:
+        """Requests past admission that have not ended (the concurrency bound's count)."""
+        return self.gate.active if self.gate is not None else 0
+
+    def _gate(self) -> Gate:
+        if self.gate is None:
+            raise OpenAIError(503, "the router is starting", type="service_unavailable")
+        return self.gate
+
+    def _saturation(self, routed: Routed) -> str | None:
+        """Why the pool cannot take ``routed`` now without a worker queue growing."""
+        if routed.pin is not None:
+            return None  # only its own worker has what it continues: no choice to wait for
+        plan = self._plan(routed, dry_run=True)
+        decision = plan.prefill if plan.prefill is not None else plan.decode
+        return saturation(decision, self.settings.saturation_ttft_s)
 
     def _pool(self) -> WorkerPool:
         if self.pool is None:
@@ -329,12 +360,14 @@ class Router:
 
     async def models(self, request: Request) -> JSONResponse:
         """Every model and LoRA adapter some worker in rotation lists, as it lists them."""
+        self._gate().tenant_of(request.headers)  # /v1/* takes a key, as OpenAI's and vLLM's
         return JSONResponse({"object": "list", "data": self._pool().model_cards()})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self._metrics().render(), media_type="text/plain; version=0.0.4")
 
     async def debug_workers(self, request: Request) -> JSONResponse:
+        self._gate().require_admin(request.headers)
         now = time.monotonic()
         pool = self._pool()
         rows = []
@@ -368,11 +401,13 @@ class Router:
         return JSONResponse({"workers": rows})
 
     async def debug_index(self, request: Request) -> JSONResponse:
+        self._gate().require_admin(request.headers)
         return JSONResponse(self.index.summary())
 
     async def debug_route(self, request: Request) -> JSONResponse:
         """A dry run: what the policy would do with this body (a completion, a chat or a
         Responses request), every worker's line included. Nothing is claimed or sent."""
+        self._gate().require_admin(request.headers)
         body = await self._body(request)
         obj = parse_body(body)
         kind: Kind = (
@@ -420,6 +455,17 @@ class Router:
         worker of the model, as they are; another worker if that one cannot be reached."""
         if self.draining:
             raise _draining()
+        gate = self._gate()
+        admitted = gate.enter(request.headers)
+        try:
+            return await self._pass(request, admitted)
+        except OpenAIError as exc:
+            admitted.error = exc.message
+            raise
+        finally:
+            gate.finish(admitted)
+
+    async def _pass(self, request: Request, admitted: Pass) -> Response:
         body = await self._body(request)
         obj = parse_body(body)
         model = obj.get("model")
@@ -440,6 +486,7 @@ class Router:
         headers.update({k: v for k in self._forwarded if (v := request.headers.get(k)) is not None})
         assert self.upstream is not None
         failures = []
+        admitted.sent = bool(candidates)
         for state in candidates:
             try:
                 async with self.upstream.post(
@@ -474,39 +521,68 @@ class Router:
         if self.draining:
             metrics.requests.labels("no_worker").inc()
             raise _draining()
-        if self.active >= self.settings.max_concurrency:
-            metrics.requests.labels("overloaded").inc()
-            raise OpenAIError(
-                429,
-                f"the router has {self.active} requests in flight, its limit",
-                type="rate_limit_error",
-                code="too_many_requests",
-                headers={"Retry-After": "1"},
+        gate = self._gate()
+        # Who sends it, and within its requests limit: before its body is read, and before
+        # it holds anything of the router's (no slot while a slow client dribbles a body).
+        admitted = gate.enter(request.headers)
+        if tracing.tracer() is not None:
+            admitted.span = tracing.start_span(
+                "kvpool.router.request",
+                {"http.route": request.url.path, "kvpool.tenant": admitted.tenant.name},
+                context=tracing.extract(request.headers),
             )
-        self.active += 1
         handed_over = False
         try:
-            try:
-                body = await self._body(request)
-                routed = await self._parse(request, body, kind, check_model=True)
-            except OpenAIError:
-                metrics.requests.labels("client_error").inc()
-                raise
-            except ClientDisconnect:
-                metrics.requests.labels("cancelled").inc()
-                raise
-            s = self.settings
-            # A stream's time limit is on its first token (then on silence between chunks);
-            # a whole answer's on all of it.
-            limit = s.first_token_timeout_s if routed.stream else s.request_timeout_s
-            response = await self._unless_client_leaves(
-                request, self._proxy(routed, arrival, arrival + limit)
-            )
-            handed_over = isinstance(response, _RelayResponse)
-            return response
+            with tracing.activated(admitted.span):
+                try:
+                    body = await self._body(request)
+                    with tracing.span("kvpool.router.tokenize"):
+                        routed = await self._parse(request, body, kind, check_model=True)
+                except OpenAIError:
+                    metrics.requests.labels("client_error").inc()
+                    raise
+                except ClientDisconnect:
+                    metrics.requests.labels("cancelled").inc()
+                    raise
+                routed.admitted = admitted
+                if admitted.span is not None:
+                    admitted.span.set_attributes(
+                        {
+                            "kvpool.request_id": routed.request_id,
+                            "kvpool.prompt_tokens": routed.num_tokens,
+                        }
+                    )
+                # Its tokens, then a slot: at once, or after waiting its turn.
+                await self._unless_client_leaves(
+                    request,
+                    gate.admit(
+                        admitted,
+                        routed,
+                        request.headers,
+                        max_tokens=routed.max_tokens,
+                        size=len(body),
+                    ),
+                )
+                if not admitted.slot:  # the client left while it waited
+                    return Response(status_code=499)
+                s = self.settings
+                # A stream's time limit is on its first token (then on silence between
+                # chunks); a whole answer's on all of it.
+                limit = s.first_token_timeout_s if routed.stream else s.request_timeout_s
+                response = await self._unless_client_leaves(
+                    request, self._proxy(routed, arrival, arrival + limit)
+                )
+                handed_over = isinstance(response, _RelayResponse)
+                return response
+        except OpenAIError as exc:
+            admitted.error = exc.message
+            raise
+        except BaseException as exc:
+            admitted.error = type(exc).__name__
+            raise
         finally:
             if not handed_over:
-                self.active -= 1
+                gate.finish(admitted)
 
     async def _unless_client_leaves(
         self, request: Request, work: Coroutine[Any, Any, Response]
@@ -525,11 +601,19 @@ class Router:
         size = int(declared) if declared is not None and declared.isdigit() else 0
         body = bytearray()
         if size <= limit:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    size = len(body)
-                    break
+            try:
+                async with asyncio.timeout(self.settings.body_timeout_s):
+                    async for chunk in request.stream():
+                        body += chunk
+                        if len(body) > limit:
+                            size = len(body)
+                            break
+            except TimeoutError:
+                raise OpenAIError(
+                    408,
+                    f"the request body did not arrive within {self.settings.body_timeout_s:g} s",
+                    code="request_timeout",
+                ) from None
         if size > limit or len(body) > limit:
             raise OpenAIError(
                 413,
@@ -597,6 +681,7 @@ class Router:
             body = json.dumps(obj, separators=(",", ":")).encode()
             strip_usage = True
         session = request.headers.get(self.settings.session_header) or fields.user
+        max_tokens = _max_tokens(obj, self.settings.default_max_tokens)
         forwarded = {k: v for k in self._forwarded if (v := request.headers.get(k)) is not None}
         pin = (
             self.responses.get(fields.previous_response_id) if fields.previous_response_id else None
@@ -616,6 +701,7 @@ class Router:
             kind=kind,
             headers=forwarded,
             pin=pin,
+            max_tokens=max_tokens,
         )
 
     async def _tokens_and_keys(
@@ -731,9 +817,20 @@ class Router:
     async def _proxy(self, routed: Routed, arrival: float, deadline: float) -> Response:
         """Plan the request's way (whole, or split), then serve it."""
         metrics = self._metrics()
-        t0 = time.perf_counter()
-        plan = self._plan(routed) if routed.pin is None else self._pinned(routed)
-        metrics.decision_latency.observe(time.perf_counter() - t0)
+        with tracing.span("kvpool.router.decide") as span:
+            t0 = time.perf_counter()
+            plan = self._plan(routed) if routed.pin is None else self._pinned(routed)
+            metrics.decision_latency.observe(time.perf_counter() - t0)
+            if span is not None:
+                span.set_attributes(
+                    {
+                        "kvpool.worker": plan.worker or "",
+                        "kvpool.reason": plan.decode.reason,
+                        "kvpool.path": plan.path,
+                        "kvpool.cached_tokens": plan.decode.cached_tokens,
+                        "kvpool.explanation": plan.explain(),
+                    }
+                )
         metrics.pd_reason[plan.reason].inc()
         if plan.worker is not None:
             metrics.prompt_tokens.inc(routed.num_tokens)
@@ -816,15 +913,22 @@ class Router:
             attempt = _Attempt()
             state.attempts.add(attempt)
             limit = now + s.first_token_timeout_s if routed.stream else deadline
+            if routed.admitted is not None:
+                routed.admitted.sent = True
             try:
-                extra = {DP_RANK_HEADER: str(rank)} if rank is not None else None
-                resp = await self._send(
-                    state,
-                    routed,
-                    limit,
-                    body=leg.body if leg is not None else None,
-                    headers=extra,
-                )
+                extra = {DP_RANK_HEADER: str(rank)} if rank is not None else {}
+                with tracing.span(
+                    "kvpool.router.upstream",
+                    {"kvpool.worker": state.id, "kvpool.attempt": attempt_no + 1},
+                ):
+                    tracing.inject(extra)  # the worker's spans join this trace
+                    resp = await self._send(
+                        state,
+                        routed,
+                        limit,
+                        body=leg.body if leg is not None else None,
+                        headers=extra,
+                    )
                 if leg is not None:
                     leg.sent = True
                 response = await self._respond(
@@ -970,7 +1074,12 @@ class Router:
         self, state: WorkerState, routed: Routed, body: bytes, deadline: float
     ) -> dict[str, Any]:
         """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`_Failed`."""
-        resp = await self._send(state, routed, deadline, body=body)
+        if routed.admitted is not None:
+            routed.admitted.sent = True
+        with tracing.span("kvpool.router.prefill_leg", {"kvpool.worker": state.id}):
+            headers: dict[str, str] = {}
+            tracing.inject(headers)
+            resp = await self._send(state, routed, deadline, body=body, headers=headers)
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
                 content = await resp.read()
@@ -1003,10 +1112,14 @@ class Router:
             return
         url = f"{leg.prefill.url}/kv/{urllib.parse.quote(rid, safe='')}"
         upstream = self.upstream
+        token = leg.params.get("kvpool_token")  # the hand-off's own one-time credential
+        headers = {"Authorization": f"Bearer {token}"} if isinstance(token, str) else None
 
         async def delete() -> None:
             with contextlib.suppress(Exception):  # best effort: the pin times out anyway
-                async with upstream.delete(url, timeout=aiohttp.ClientTimeout(total=5.0)):
+                async with upstream.delete(
+                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=5.0)
+                ):
                     pass
 
         task = asyncio.ensure_future(delete())
@@ -1092,6 +1205,8 @@ class Router:
         }
         headers["x-request-id"] = routed.request_id
         headers["x-kvpool-worker"] = state.id
+        if routed.admitted is not None:
+            headers.update(routed.admitted.headers)  # x-ratelimit-*
         if routed.stream and resp.status == 200:
             relay = _Relay(self, state, ticket, routed, resp, arrival, SSEWatch(routed.strip_usage))
             relay.count_usage = count_usage
@@ -1138,6 +1253,8 @@ class Router:
                 self.responses.remember(answer["id"], state.id)
         state.end(ticket)
         metrics.requests.labels("success" if ok else "client_error").inc()
+        if routed.admitted is not None:
+            routed.admitted.usage = usage  # settles its tokens when the request ends
         if ok:
             state.breaker.on_success()
             metrics.e2e.observe(now - arrival)
@@ -1157,6 +1274,20 @@ class Router:
             # A worker that does not report cached tokens (vLLM without
             # --enable-prompt-tokens-details) served none from cache as far as we know.
             metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
+
+
+def _max_tokens(obj: dict[str, Any], default: int) -> int:
+    """The most tokens a request may generate, all its choices together: what the
+    tokens-per-minute limit reserves until its usage says what it took."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = obj.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            break
+    else:
+        value = default
+    n = obj.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return value * n
 
 
 def _answer_of(content: bytes) -> dict[str, Any]:
@@ -1234,7 +1365,12 @@ class _Relay:
         else:  # closed mid-answer: the worker sees it and aborts the request
             self.resp.close()
         self.state.end(self.ticket)
-        self.router.active -= 1
+        admitted = self.routed.admitted
+        if admitted is not None:
+            admitted.usage = self.events.usage
+            if self.outcome != "success":
+                admitted.error = self.outcome
+            self.router._gate().finish(admitted)
         metrics = self.router._metrics()
         metrics.requests.labels(self.outcome).inc()
         if self.outcome == "success":

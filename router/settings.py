@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 
@@ -79,6 +79,28 @@ class RouterSettings(BaseModel):
     max_concurrency: int = Field(1024, ge=1)
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
+    # tenants and keys: a YAML or JSON file of tenants (a mounted Secret, see tenants.py),
+    # read again when it changes; without it no key is asked for
+    api_keys_file: str | None = None
+    api_keys_reload_s: float = Field(5.0, gt=0)
+    # the pool's own secret, shared with its kvpool workers: the credential for their KV
+    # event replay socket
+    pool_secret: SecretStr | None = None
+    # flow control: when every eligible worker's predicted TTFT is over this bound (or its
+    # decode guard trips), requests wait in the router, in priority bands, fair by tokens
+    flow_control: bool = True
+    saturation_ttft_s: float = Field(2.0, gt=0)
+    queue_max_requests: int = Field(10_000, ge=0)
+    queue_max_bytes: int = Field(512 * 2**20, ge=0)
+    queue_timeout_s: float = Field(60.0, gt=0)
+    priority_header: str = "x-kvpool-priority"  # high, normal or low
+    deadline_header: str = "x-kvpool-ttft-deadline-ms"  # shed when the wait will exceed it
+    default_max_tokens: int = Field(256, ge=1)  # reserved for tokens/minute when not given
+    # abuse resistance: time and size limits on what a client sends
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_header_bytes: int = Field(32 * 2**10, ge=1024)
+    max_connections_per_client: int = Field(256, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
@@ -103,7 +125,9 @@ class RouterSettings(BaseModel):
 
     def pool_config(self) -> PoolConfig:
         """The worker pool's settings: the fields both share, by name."""
-        return PoolConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PoolConfig)})
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(PoolConfig)}
+        secret = {k: v.get_secret_value() for k, v in values.items() if isinstance(v, SecretStr)}
+        return PoolConfig(**{**values, **secret})
 
     def split_config(self) -> SplitConfig:
         return SplitConfig(mode=self.pd_mode, threshold_tokens=self.pd_threshold_tokens)

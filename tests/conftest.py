@@ -25,6 +25,9 @@ from kvpool.stack import StackError, free_port, wait_healthy
 
 DATA = Path(__file__).parent / "data"
 
+#: the pool secret of test pools whose workers hand off prefills (``pool_secret=...``)
+TEST_POOL_SECRET = "test-pool-secret-not-for-production"
+
 
 @pytest.fixture(scope="session")
 def hash_vectors() -> dict[str, Any]:
@@ -447,13 +450,18 @@ class RunningRouter(RunningServer):
                 raise RuntimeError("the router did not start")
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{router.bound_port}"
+        #: sent on /debug/* (an admin tenant's key, for a router that checks keys)
+        self.debug_headers: dict[str, str] = {}
 
     def workers(self) -> dict[str, dict[str, Any]]:
-        rows = httpx.get(self.url + "/debug/workers", timeout=10).json()["workers"]
+        resp = httpx.get(self.url + "/debug/workers", headers=self.debug_headers, timeout=10)
+        rows = resp.json()["workers"]
         return {w["id"]: w for w in rows}
 
     def route(self, body: dict[str, Any]) -> dict[str, Any]:
-        resp = httpx.post(self.url + "/debug/route", json=body, timeout=10)
+        resp = httpx.post(
+            self.url + "/debug/route", json=body, headers=self.debug_headers, timeout=10
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()
 

@@ -24,7 +24,7 @@ from kvpool.router.policy import (
     WorkerView,
 )
 
-from conftest import RunningRouter, RunningWorker, WorkerProcess
+from conftest import TEST_POOL_SECRET, RunningRouter, RunningWorker, WorkerProcess
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,7 +181,10 @@ def prefill_worker(router: RunningRouter, prompt: str) -> str | None:
 
 
 def start_pd_worker(start_worker: Any, role: str) -> RunningWorker:
-    return start_worker(role=role, kv_events_endpoint="tcp://127.0.0.1:*")
+    """A worker of the test pool: hand-offs are signed with its secret."""
+    return start_worker(
+        role=role, kv_events_endpoint="tcp://127.0.0.1:*", pool_secret=TEST_POOL_SECRET
+    )
 
 
 def paths(router: RunningRouter) -> dict[str, float]:
@@ -198,6 +201,7 @@ def split(start_worker: Any, start_router: Any) -> tuple[RunningRouter, Any, Any
     whole = start_worker()
     p, d = start_pd_worker(start_worker, "prefill"), start_pd_worker(start_worker, "decode")
     router = start_router(
+        pool_secret=TEST_POOL_SECRET,
         worker=[f"{p.url},role=prefill", f"{d.url},role=decode"],
         pd_mode="Auto",
         pd_threshold_tokens=THRESHOLD,
@@ -353,6 +357,7 @@ def test_a_prefill_worker_dying_mid_request_hands_the_prefill_to_another(
     dying, other, d = (start_pd_worker(start_worker, r) for r in ("prefill", "prefill", "decode"))
     hop = relay(dying.port)
     router = start_router(
+        pool_secret=TEST_POOL_SECRET,
         worker=[f"{hop.url},role=prefill", f"{other.url},role=prefill", f"{d.url},role=decode"],
         pd_threshold_tokens=THRESHOLD,
     )
@@ -378,6 +383,7 @@ def test_a_prefill_worker_that_hangs_past_its_timeout_leaves_the_request_whole(
     p, d = start_pd_worker(start_worker, "prefill"), start_pd_worker(start_worker, "decode")
     hop = relay(p.port)
     router = start_router(
+        pool_secret=TEST_POOL_SECRET,
         worker=[f"{hop.url},role=prefill", f"{d.url},role=decode"],
         pd_mode="Disaggregated",
         pd_prefill_timeout_s=1.0,
@@ -403,11 +409,13 @@ def test_a_prefill_process_killed_mid_request_leaves_the_request_whole(
         role="prefill",
         device="cpu",
         num_blocks=128,
+        pool_secret=TEST_POOL_SECRET,
     )
     try:
         p.wait_healthy()
         # A health check that waits 5 s keeps the stopped worker in rotation meanwhile.
         router = start_router(
+            pool_secret=TEST_POOL_SECRET,
             worker=[f"{p.url},role=prefill", f"{d.url},role=decode"],
             pd_mode="Disaggregated",
             health_timeout_s=5.0,

@@ -11,6 +11,7 @@ and mismatched workers are real ``kvpool worker serve --engine sim`` processes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import signal
@@ -530,7 +531,8 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(
     llama_dir: Path,
     one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
 ) -> None:
-    fake, router, url = one_fake("hang", max_concurrency=1)
+    # Without flow control the bound refuses at once (with it, the request waits: below).
+    fake, router, url = one_fake("hang", max_concurrency=1, flow_control=False)
 
     with (
         httpx.Client(timeout=5) as client,
@@ -553,6 +555,35 @@ def test_request_over_the_concurrency_limit_gets_429_with_retry_after(
     # The slot is free again once the stream is over.
     router.wait_for(lambda: router.router.active == 0)
     assert httpx.post(url, json=body(llama_dir)).status_code == 200
+
+
+def test_request_over_the_concurrency_limit_waits_its_turn_with_flow_control(
+    llama_dir: Path,
+    one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
+) -> None:
+    fake, router, url = one_fake("hang", max_concurrency=1)
+
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", url, json=body(llama_dir, stream=True)) as resp,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data:")  # the stream holds the only slot
+        waiting = pool.submit(httpx.post, url, json=body(llama_dir), timeout=10)
+        router.wait_for(
+            lambda: router.metric("kvpool_router_queue_depth", band="normal") == 1, timeout=5
+        )
+        assert fake.completions == 1  # it waits in the router, not at the worker
+        fake.gate.set()
+        assert sse_data(lines)[-1] == "[DONE]"
+        assert waiting.result().status_code == 200
+
+    assert fake.completions == 2
+    assert router.metric("kvpool_router_requests_total", outcome="overloaded") == 0
+    assert router.metric("kvpool_router_saturated_total", reason="concurrency") == 1
+    assert router.metric("kvpool_router_queue_wait_seconds_count", band="normal") == 1
+    router.wait_for(lambda: router.router.active == 0)
 
 
 def test_client_leaving_mid_stream_frees_its_slot_and_its_worker(

@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import RunningWorker, WorkerProcess
+from kvpool.signing import TOKEN_FIELD, sign_transfer_params
+
+from conftest import TEST_POOL_SECRET, RunningWorker, WorkerProcess
 
 PROMPT = (
     "A router in front of a pool of inference workers reads every prompt, cuts it into blocks "
@@ -38,6 +40,7 @@ def processes(llama_dir: Path, tmp_path: Path) -> Iterator[Any]:
             drain_timeout_s=1,
             kv_events_endpoint=None,
             kv_events_replay_endpoint=None,
+            pool_secret=TEST_POOL_SECRET,
         )
         started.append(worker)
         worker.wait_healthy()
@@ -46,6 +49,17 @@ def processes(llama_dir: Path, tmp_path: Path) -> Iterator[Any]:
     yield start
     for p in started:
         p.kill()
+
+
+@pytest.fixture
+def pd_worker(start_worker: Any) -> Any:
+    """A worker of the test pool: it shares the pool secret that hand-offs need."""
+    return lambda **values: start_worker(pool_secret=TEST_POOL_SECRET, **values)
+
+
+def token(params: dict[str, Any]) -> dict[str, str]:
+    """The header that opens a hand-off's pinned blocks."""
+    return {"Authorization": f"Bearer {params[TOKEN_FIELD]}"}
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -150,16 +164,19 @@ class CuttingProxy:
 
 
 def test_a_prefill_worker_killed_mid_transfer_leads_to_a_local_prefill(
-    processes: Any, start_worker: Any
+    processes: Any, start_worker: Any, pd_worker: Any
 ) -> None:
     expected = complete(start_worker().url, PROMPT, 16)["choices"][0]["text"]
-    p, d = processes("prefill"), start_worker(role="decode")
+    p, d = processes("prefill"), pd_worker(role="decode")
     params = prefill(p.url)
     # The pull goes through a relay that kills the prefill process once the response
     # headers, the transfer header and part of the first block have gone through.
     proxy = CuttingProxy(p.port, limit=3000, on_cut=p.kill)
     try:
-        cut = {**params, "remote_port": proxy.port}
+        # The test stands for the pool here: it signs the hand-off that names the relay.
+        cut = sign_transfer_params(
+            {**params, "remote_port": proxy.port}, TEST_POOL_SECRET, ttl_s=30
+        )
         answer = complete(d.url, PROMPT, 16, kv_transfer_params=cut)
     finally:
         proxy.close()
@@ -169,22 +186,23 @@ def test_a_prefill_worker_killed_mid_transfer_leads_to_a_local_prefill(
     assert d.engine.stats.prefix_cache_hits == 0  # nothing half-received was stored
 
 
-def test_a_pull_keeps_its_blocks_even_if_the_pin_is_deleted_meanwhile(start_worker: Any) -> None:
-    p = start_worker(role="prefill")
-    rid = prefill(p.url)["remote_request_id"]
+def test_a_pull_keeps_its_blocks_even_if_the_pin_is_deleted_meanwhile(pd_worker: Any) -> None:
+    p = pd_worker(role="prefill")
+    params = prefill(p.url)
+    rid = params["remote_request_id"]
     engine = p.engine
     pin = engine.open_pinned(rid)  # a pull under way
-    assert httpx.delete(f"{p.url}/kv/{rid}").status_code == 200
+    assert httpx.delete(f"{p.url}/kv/{rid}", headers=token(params)).status_code == 200
     assert all(engine.pool.blocks[b].ref_count > 0 for b in pin.block_ids)  # still readable
     engine.close_pinned(pin)
     assert engine.stats.kv_usage == 0
 
 
-def test_pins_that_block_admission_leave_the_engine_thread_idle(start_worker: Any) -> None:
+def test_pins_that_block_admission_leave_the_engine_thread_idle(pd_worker: Any) -> None:
     import psutil
 
     # 8 blocks: a pinned prefill of 6 leaves too few for the next prompt until it expires.
-    p = start_worker(role="prefill", num_blocks=8, kv_pin_timeout_s=2.0)
+    p = pd_worker(role="prefill", num_blocks=8, kv_pin_timeout_s=2.0)
     prefill(p.url, list(range(10, 110)))
     assert p.metric("kvpool_worker_pinned_requests") == 1
     waiting: list[dict[str, Any]] = []
@@ -207,22 +225,23 @@ def test_pins_that_block_admission_leave_the_engine_thread_idle(start_worker: An
     assert p.metric("kvpool_worker_kv_pins_expired_total") == 1
 
 
-def test_blocks_from_another_hash_seed_are_refused(start_worker: Any) -> None:
-    p = start_worker(role="prefill", hash_seed="1")
-    d = start_worker(role="decode")
+def test_blocks_from_another_hash_seed_are_refused(pd_worker: Any) -> None:
+    p = pd_worker(role="prefill", hash_seed="1")
+    d = pd_worker(role="decode")
     params = prefill(p.url)
     complete(d.url, PROMPT, 4, kv_transfer_params=params)
     assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
     assert d.engine.stats.prefix_cache_hits == 0
 
 
-def test_pinned_blocks_are_freed_on_delete_or_after_the_timeout(start_worker: Any) -> None:
-    p: RunningWorker = start_worker(role="prefill", kv_pin_timeout_s=1.0)
+def test_pinned_blocks_are_freed_on_delete_or_after_the_timeout(pd_worker: Any) -> None:
+    p: RunningWorker = pd_worker(role="prefill", kv_pin_timeout_s=1.0)
     params = prefill(p.url)
     url = f"{p.url}/kv/{params['remote_request_id']}"
     assert p.metric("vllm:kv_cache_usage_perc") > 0
-    assert httpx.delete(url).status_code == 200
-    assert httpx.get(url).status_code == 404
+    assert httpx.delete(url, headers=token(params)).status_code == 200
+    assert httpx.get(url, headers=token(params)).status_code == 403  # the token is spent
+    assert p.metric("kvpool_worker_pinned_requests") == 0
     assert p.metric("vllm:kv_cache_usage_perc") == 0
 
     prefill(p.url)

@@ -19,6 +19,8 @@ from kvpool.worker.engine import EngineConfig
 from kvpool.worker.sequence import SamplingParams
 from kvpool.worker.sim import SimEngine, TimingModel
 
+from conftest import TEST_POOL_SECRET
+
 
 @pytest.fixture
 def sim(tiny_model: tuple[Any, Any]) -> SimEngine:
@@ -89,7 +91,9 @@ def test_a_simulated_worker_serves_the_openai_api_and_hands_off_blocks(start_wor
     assert httpx.get(both.url + "/kvpool/info").json()["engine"] == "sim"
     assert both.metric("vllm:generation_tokens_total") == 16
 
-    p, d = start_worker(role="prefill", **fast), start_worker(role="decode", **fast)
+    secret = {"pool_secret": TEST_POOL_SECRET}  # the hand-off is signed with it
+    p = start_worker(role="prefill", **fast, **secret)
+    d = start_worker(role="decode", **fast, **secret)
     prompt = list(range(10, 110))
     leg = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     params = httpx.post(p.url + "/v1/completions", json=leg).json()["kv_transfer_params"]

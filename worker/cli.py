@@ -9,7 +9,11 @@
 * ``serve --model DIR``: the OpenAI-compatible worker server (``--engine sim`` for the
   simulated engine);
 * ``drain --port P``: ask the worker on this host to stop taking requests and wait until
-  those in flight are done (a pod's preStop hook);
+  those in flight are done (a pod's preStop hook); ``undrain --port P`` takes it back;
+  both send the admin token derived from the pool secret (``--pool-secret``,
+  ``--pool-secret-file`` or their ``KVPOOL_*`` variables, as the worker itself reads them);
+* ``admin-token``: print the admin token of the pool secret given the same way, for an
+  operator's ``Authorization: Bearer`` header;
 * ``sim-fleet --model DIR --count N``: N simulated workers in one process, on consecutive
   ports.
 
@@ -85,19 +89,88 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_drain(args: argparse.Namespace) -> int:
+def _pool_secret(args: argparse.Namespace) -> str | None:
+    """The pool secret from ``--pool-secret``/``--pool-secret-file``, else from
+    ``KVPOOL_POOL_SECRET``/``KVPOOL_POOL_SECRET_FILE`` (as ``serve`` reads it)."""
+    from .settings import read_secret_file
+
+    if args.pool_secret or args.pool_secret_file:  # a flag wins over both variables
+        secret, path = args.pool_secret, args.pool_secret_file
+    else:
+        secret = os.environ.get(f"{ENV_PREFIX}POOL_SECRET")
+        path = os.environ.get(f"{ENV_PREFIX}POOL_SECRET_FILE")
+    if secret and path:
+        raise ValueError("give the pool secret or its file, not both")
+    return read_secret_file(path) if path else secret or None
+
+
+def _admin_post(args: argparse.Namespace, action: str) -> tuple[int, dict[str, Any]]:
+    """POST ``/{action}`` to the worker with the admin token (if there is a pool secret):
+    (HTTP status, JSON body); status 0 when the worker cannot be reached."""
     import urllib.error
     import urllib.request
 
-    url = f"http://{args.host}:{args.port}/drain"
+    from kvpool.signing import admin_token
+
+    secret = _pool_secret(args)
+    headers = {"Authorization": f"Bearer {admin_token(secret)}"} if secret else {}
+    url = f"http://{args.host}:{args.port}/{action}"
+    request = urllib.request.Request(url, method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="POST")) as resp:
-            body = json.loads(resp.read() or b"{}")
+        with urllib.request.urlopen(request) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            body = json.loads(exc.read() or b"{}")
+        except ValueError:
+            body = {}
+        return exc.code, body
     except (urllib.error.URLError, OSError) as exc:
-        print(f"kvpool worker drain: {url}: {exc}", file=sys.stderr)
+        print(f"kvpool worker {action}: {url}: {exc}", file=sys.stderr)
+        return 0, {}
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    status, body = _admin_post(args, "drain")
+    if status == 0:
         return 1
     print(json.dumps(body))
-    return 0 if body.get("drained") else 1
+    return 0 if status == 200 and body.get("drained") else 1
+
+
+def _cmd_undrain(args: argparse.Namespace) -> int:
+    status, body = _admin_post(args, "undrain")
+    if status == 0:
+        return 1
+    print(json.dumps(body))
+    return 0 if status == 200 else 1
+
+
+def _cmd_admin_token(args: argparse.Namespace) -> int:
+    from kvpool.signing import admin_token, check_secret
+
+    secret = _pool_secret(args)
+    if not secret:
+        raise ValueError(
+            f"no pool secret: give --pool-secret, --pool-secret-file or {ENV_PREFIX}POOL_SECRET"
+        )
+    check_secret(secret)
+    print(admin_token(secret))
+    return 0
+
+
+def _admin_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> None:
+    if target:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--pool-secret", default=None, help=f"the pool secret; env {ENV_PREFIX}POOL_SECRET"
+    )
+    parser.add_argument(
+        "--pool-secret-file",
+        default=None,
+        help=f"a file holding the pool secret; env {ENV_PREFIX}POOL_SECRET_FILE",
+    )
 
 
 def _settings_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -188,9 +261,13 @@ def _spawn_fleet_part(
     ]
     if args.kv_events_base_port:
         argv += ["--kv-events-base-port", str(args.kv_events_base_port + start)]
-    for name, value in values.items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
     env = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
+    for name, value in values.items():
+        if name == "pool_secret":  # a command line is visible to every user of the host
+            env[f"{ENV_PREFIX}POOL_SECRET"] = str(value)
+            env.pop(f"{ENV_PREFIX}POOL_SECRET_FILE", None)
+            continue
+        argv += ["--" + name.replace("_", "-"), str(value)]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -230,9 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("drain", help="drain the worker on this host (waits for its requests)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    _admin_arguments(p)
     p.set_defaults(func=_cmd_drain)
+
+    p = sub.add_parser("undrain", help="let a drained worker take requests again")
+    _admin_arguments(p)
+    p.set_defaults(func=_cmd_undrain)
+
+    p = sub.add_parser("admin-token", help="print the admin token of the pool secret")
+    _admin_arguments(p, target=False)
+    p.set_defaults(func=_cmd_admin_token)
 
     p = sub.add_parser("sim-fleet", help="run N simulated workers in one process")
     p.add_argument("--count", type=int, required=True, help="how many workers")

@@ -9,6 +9,10 @@ and which prefix they hold (``block_hashes``: the 64-bit block keys of contract 
 decode worker checks every field against its own cache and the hashes against its own
 hashing of the prompt before it stores anything: blocks from a different model, dtype,
 block size or hash seed are refused, never stored under a wrong name.
+
+The request carries the hand-off's one-time token (``Authorization: Bearer``, from the
+signed ``kv_transfer_params``); without it the prefill worker answers 401 or 403. A pull,
+whole or cut short, spends the token and frees the pin: the blocks go to one reader only.
 """
 
 from __future__ import annotations
@@ -90,15 +94,20 @@ def _parse_header(buf: bytes | bytearray) -> tuple[TransferHeader, int] | None:
 
 
 async def pull_blocks(
-    client: httpx.AsyncClient, url: str, *, timeout: float = 30.0
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    timeout: float = 30.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[TransferHeader, bytearray]:
     """Fetch a transfer; raises :class:`TransferError` on any failure, including a body cut
-    short (the prefill worker died mid-transfer)."""
+    short (the prefill worker died mid-transfer). ``headers``: the hand-off's token (in
+    ``Authorization``); never part of an error message."""
     buf = bytearray()
     header: TransferHeader | None = None
     body_start = 0
     try:
-        async with client.stream("GET", url, timeout=timeout) as response:
+        async with client.stream("GET", url, timeout=timeout, headers=headers) as response:
             if response.status_code != 200:
                 await response.aread()
                 raise TransferError(f"{url} answered {response.status_code}: {response.text[:200]}")

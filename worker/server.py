@@ -4,6 +4,13 @@
 A thin shell: handlers validate the body, turn it into engine requests, and stream the
 engine loop's outputs back. Every refusal is OpenAI's error JSON with the status a client
 expects; nothing a client sends can stop the server from serving the next request.
+
+What a client could abuse is keyed by the pool secret (:mod:`kvpool.signing`): a decode
+worker honours only hand-offs signed by a worker of its pool, so it pulls only from the
+pool's own workers; the prefill side hands its pinned blocks only to whoever presents the
+hand-off's one-time token; ``/drain``, ``/undrain`` and ``/reset_prefix_cache`` need the
+admin token; the KV event sockets need the pool's event credential. Without a pool secret
+a worker refuses hand-offs and answers admin requests from loopback only.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import ipaddress
 import json
 import logging
 import math
@@ -45,6 +53,17 @@ from kvpool.openai_api import (
     exception_handlers,
     parse_request,
 )
+from kvpool.signing import (
+    TOKEN_FIELD,
+    InvalidSignature,
+    admin_token,
+    bearer_token,
+    constant_time_equal,
+    kv_events_credential,
+    new_token,
+    sign_transfer_params,
+    verify_transfer_params,
+)
 from kvpool.tokenization import render_chat
 
 from . import openai_format as fmt
@@ -62,6 +81,10 @@ EngineFactory = Callable[[EventSink | None], EngineCore]
 #: prompts up to this many characters or token ids are tokenized and hashed on the event
 #: loop (well under a millisecond); longer ones in a thread
 INLINE_PREPARE_LIMIT = 2048
+
+#: how long a hand-off's signature and token outlive the pin they open: room for clocks
+#: that disagree by a few seconds
+HANDOFF_SLACK_S = 10.0
 
 # Engines load one at a time: several workers in one process (a simulated fleet) would
 # otherwise import transformers' lazy modules from several threads at once, which races.
@@ -119,6 +142,13 @@ class WorkerServer:
         self.metrics: WorkerMetrics | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.stopping = False  # a signal or shutdown: a drain that /undrain cannot take back
+        secret = settings.secret
+        self._secret = secret
+        self._admin_token = admin_token(secret) if secret else None
+        # the one-time tokens of this worker's pinned blocks: request id -> (token, expiry
+        # on the monotonic clock), in the order issued (so expiry order)
+        self._kv_tokens: dict[str, tuple[str, float]] = {}
         self.in_flight = 0
         self.queued_tokens = 0  # prompt tokens submitted and not yet prefilled
         self.engine_id = uuid.uuid4().hex[:16]
@@ -133,6 +163,12 @@ class WorkerServer:
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
         self._idle.set()
+        if self._secret is None:
+            log.warning(
+                "no pool secret (--pool-secret): prefill/decode hand-offs are refused, admin "
+                "endpoints answer loopback only, and the KV event sockets are open to anyone "
+                "who reaches them"
+            )
         self._http = httpx.AsyncClient(timeout=self.settings.kv_transfer_timeout_s)
         self._load_task = asyncio.create_task(self._load())
 
@@ -146,6 +182,7 @@ class WorkerServer:
                     s.kv_events_replay_endpoint,
                     topic=s.kv_events_topic,
                     encoding=s.kv_events_encoding,
+                    credential=kv_events_credential(self._secret) if self._secret else None,
                 )
                 await asyncio.to_thread(self.publisher.start)
                 sink = self.publisher.publish
@@ -188,7 +225,7 @@ class WorkerServer:
             return engine
 
     async def shutdown(self) -> None:
-        self.draining = True
+        self.draining = self.stopping = True
         if self._load_task is not None:
             await self._load_task
         if self.loop is not None:
@@ -242,6 +279,7 @@ class WorkerServer:
         app.add_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_route("/drain", self.drain_endpoint, methods=["POST"])
+        app.add_route("/undrain", self.undrain_endpoint, methods=["POST"])
         app.add_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
         app.add_route("/kv/{request_id:path}", self.get_kv, methods=["GET"])
         app.add_route("/kv/{request_id:path}", self.delete_kv, methods=["DELETE"])
@@ -358,11 +396,59 @@ class WorkerServer:
         )
         return JSONResponse(info.model_dump())
 
+    # -- admin ---------------------------------------------------------------------------
+    def _require_admin(self, request: Request) -> None:
+        """The admin token as a bearer token; without a pool secret, a loopback client."""
+        if self._admin_token is None:
+            if _loopback(request.client.host if request.client else None):
+                return
+            raise OpenAIError(
+                403,
+                "admin endpoints answer only from loopback when the worker has no pool "
+                "secret (--pool-secret)",
+                type="permission_error",
+                code="admin_forbidden",
+            )
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise OpenAIError(
+                401,
+                "this admin endpoint needs 'Authorization: Bearer <admin token>' "
+                "(`kvpool worker admin-token` derives it from the pool secret)",
+                type="authentication_error",
+                code="admin_token_required",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not constant_time_equal(token, self._admin_token):
+            raise OpenAIError(
+                401,
+                "the admin token is not this pool's",
+                type="authentication_error",
+                code="invalid_admin_token",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
     async def drain_endpoint(self, request: Request) -> JSONResponse:
+        self._require_admin(request)
         drained = await self.drain()
         return JSONResponse({"drained": drained, "in_flight": self.in_flight})
 
+    async def undrain_endpoint(self, request: Request) -> JSONResponse:
+        """Take requests again after ``/drain`` (not after a signal: that one stops)."""
+        self._require_admin(request)
+        if self.stopping:
+            raise OpenAIError(
+                409,
+                "this worker is shutting down; a drain for shutdown cannot be undone",
+                code="shutting_down",
+            )
+        if self.draining:
+            log.info("undrained: taking requests again")
+        self.draining = False
+        return JSONResponse({"draining": False, "in_flight": self.in_flight})
+
     async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        self._require_admin(request)
         engine, loop, _ = self._ready()
         if not await loop.call(engine.reset_prefix_cache):
             raise OpenAIError(
@@ -409,9 +495,50 @@ class WorkerServer:
         return engine.tokenizer
 
     # -- KV hand-off: the prefill side ---------------------------------------------------
+    def _issue_kv_token(self, request_id: str) -> str:
+        """A new one-time token for a request's pinned blocks (forgetting expired ones)."""
+        now = time.monotonic()
+        tokens = self._kv_tokens
+        while tokens:
+            oldest = next(iter(tokens))
+            if tokens[oldest][1] > now:
+                break
+            del tokens[oldest]
+        token = new_token()
+        tokens[request_id] = (token, now + self.settings.kv_pin_timeout_s + HANDOFF_SLACK_S)
+        return token
+
+    def _take_kv_token(self, request: Request, request_id: str, *, admin_ok: bool) -> None:
+        """Check (and use up) the hand-off's token for ``request_id``; ``admin_ok``: the
+        admin token also opens it (freeing a pin, not reading it)."""
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise OpenAIError(
+                401,
+                "KV blocks are handed only to the holder of the hand-off's token: send "
+                "'Authorization: Bearer <kv_transfer_params.kvpool_token>'",
+                type="authentication_error",
+                code="kv_token_required",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        token_of, expiry = self._kv_tokens.get(request_id, (None, 0.0))
+        if expiry > time.monotonic() and constant_time_equal(token, token_of):
+            del self._kv_tokens[request_id]  # one pull (or one release) per token
+            return
+        if admin_ok and constant_time_equal(token, self._admin_token):
+            return
+        raise OpenAIError(
+            403,
+            f"the token does not open the blocks of request {request_id!r} (wrong, used "
+            "already, or expired)",
+            type="permission_error",
+            code="invalid_kv_token",
+        )
+
     async def get_kv(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
         engine, loop, metrics = self._ready()
+        self._take_kv_token(request, request_id, admin_ok=False)
         pin = await loop.call(engine.open_pinned, request_id)
         if pin is None:
             raise OpenAIError(
@@ -442,10 +569,15 @@ class WorkerServer:
                 yield chunk
             metrics.transferred("sent", len(pin.block_ids), header.body_bytes)
 
+        def done() -> None:
+            # The token is spent: nobody else can pull these blocks, so keep them no longer.
+            engine.close_pinned(pin)
+            engine.unpin(request_id)
+
         size = len(header.encode()) + header.body_bytes
         return _ClosingStream(
             body(),
-            lambda: loop.call_soon(engine.close_pinned, pin),
+            lambda: loop.call_soon(done),
             media_type="application/octet-stream",
             headers={"Content-Length": str(size)},
         )
@@ -453,6 +585,7 @@ class WorkerServer:
     async def delete_kv(self, request: Request) -> JSONResponse:
         request_id = request.path_params["request_id"]
         engine, loop, _ = self._ready()
+        self._take_kv_token(request, request_id, admin_ok=True)
         if not await loop.call(engine.unpin, request_id):
             raise OpenAIError(
                 404,
@@ -474,11 +607,13 @@ class WorkerServer:
             host = f"[{host}]"  # an IPv6 address
         rid = urllib.parse.quote(transfer.remote_request_id or "", safe="")
         url = f"http://{host}:{transfer.remote_port}/kv/{rid}"
+        # The one-time token: the prefill worker hands its blocks to no one else.
+        auth = {"Authorization": f"Bearer {getattr(transfer, TOKEN_FIELD, '')}"}
         start = time.monotonic()
         try:
             assert self._http is not None
             header, data = await pull_blocks(
-                self._http, url, timeout=self.settings.kv_transfer_timeout_s
+                self._http, url, timeout=self.settings.kv_transfer_timeout_s, headers=auth
             )
             mine = engine.kv_layout
             theirs = (header.dtype, header.block_shape, header.layout, header.block_size)
@@ -505,12 +640,13 @@ class WorkerServer:
                 exc_info=not isinstance(exc, TransferError | ValueError),
             )
         finally:
-            asyncio.create_task(self._release_remote(url))  # noqa: RUF006
+            asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
 
-    async def _release_remote(self, url: str) -> None:
+    async def _release_remote(self, url: str, headers: dict[str, str]) -> None:
+        """Free the pin if the pull never reached it (a pull frees it itself)."""
         with contextlib.suppress(httpx.HTTPError):
             assert self._http is not None
-            await self._http.delete(url, timeout=5.0)
+            await self._http.delete(url, timeout=5.0, headers=headers)
 
     # -- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -616,6 +752,14 @@ class WorkerServer:
                     "is decode; send prefills to a prefill or both worker",
                     param="kv_transfer_params",
                 )
+            if self._secret is None:
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_decode: this worker has no pool secret "
+                    "(--pool-secret), so it cannot sign a hand-off; send the request whole",
+                    code="kv_transfer_disabled",
+                    param="kv_transfer_params",
+                )
             if stream:
                 raise OpenAIError(
                     400,
@@ -641,6 +785,25 @@ class WorkerServer:
                     "kv_transfer_params.do_remote_prefill needs " + ", ".join(missing),
                     param="kv_transfer_params",
                 )
+            if self._secret is None:
+                raise OpenAIError(
+                    400,
+                    "kv_transfer_params.do_remote_prefill: this worker has no pool secret "
+                    "(--pool-secret), so it cannot tell a pool worker's hand-off from a "
+                    "forged one; send the request whole",
+                    code="kv_transfer_disabled",
+                    param="kv_transfer_params",
+                )
+            try:
+                verify_transfer_params(transfer.model_dump(), self._secret)
+            except InvalidSignature as exc:
+                raise OpenAIError(
+                    400,
+                    f"kv_transfer_params: {exc}. Only a prefill worker of this pool, through "
+                    "the router, hands off a prefill; send the request without them",
+                    code="invalid_kv_transfer_params",
+                    param="kv_transfer_params",
+                ) from None
 
     def _render_chat(
         self,
@@ -868,7 +1031,8 @@ class WorkerServer:
         pin = await loop.call(engine.pinned, prepared.request_id)
         if pin is None:
             return None
-        return KVTransferParams(
+        assert self._secret is not None  # _check_transfer refuses the leg without one
+        params = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_block_ids=pin.block_ids,
@@ -877,6 +1041,9 @@ class WorkerServer:
             remote_host=self.advertised_host,
             remote_port=self.port,
         ).model_dump()
+        params[TOKEN_FIELD] = self._issue_kv_token(prepared.request_id)
+        ttl = self.settings.kv_pin_timeout_s + HANDOFF_SLACK_S
+        return sign_transfer_params(params, self._secret, ttl_s=ttl)
 
     @property
     def port(self) -> int:
@@ -964,6 +1131,18 @@ class WorkerServer:
             self._done(job)
 
 
+def _loopback(host: str | None) -> bool:
+    """Whether a client address is this host's own (IPv4, IPv6, or IPv4 mapped in IPv6)."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 def _reachable(endpoint: str, host: str) -> str:
     """A bound ZMQ endpoint as others can reach it (a wildcard bind names no host)."""
     for wildcard in ("0.0.0.0", "*", "[::]"):
@@ -1023,11 +1202,13 @@ class _Uvicorn(uvicorn.Server):
         """The first signal drains: health and new requests answer 503 while requests in
         flight finish and decode workers pull the blocks pinned for them (the socket stays
         open for that); then the server stops. A second signal stops it at once."""
-        if self.worker.draining or self._loop is None:
+        # (A drain through /drain, the preStop hook's, is no first signal: this one still
+        # waits for pinned blocks, and /undrain cannot take it back.)
+        if self.worker.stopping or self._loop is None:
             super().handle_exit(sig, frame)
             return
         log.info("signal %s: draining for up to %.0f s", sig, self.worker.settings.drain_timeout_s)
-        self.worker.draining = True
+        self.worker.draining = self.worker.stopping = True
         self._loop.call_soon_threadsafe(self._drain_then_exit)
 
     def _drain_then_exit(self) -> None:

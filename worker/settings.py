@@ -8,9 +8,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from kvpool.signing import check_secret
 
 from .engine import EngineConfig
 from .sim import TimingModel
@@ -51,6 +52,11 @@ class WorkerSettings(BaseModel):
     kv_pin_timeout_s: float = Field(30.0, gt=0)
     kv_transfer_host: str | None = None  # the address decode workers reach us at
     kv_transfer_timeout_s: float = Field(30.0, gt=0)
+    # the pool's shared secret (router and workers): signs and checks hand-offs, and keys
+    # the admin token and the KV event sockets' password. Unset: no hand-offs, admin from
+    # loopback only, KV event sockets open. A file (a mounted Secret) works as well.
+    pool_secret: SecretStr | None = None
+    pool_secret_file: Path | None = None
     # the simulated engine's timing model (milliseconds; see kvpool.worker.sim)
     sim_a: float = TimingModel.a
     sim_b: float = TimingModel.b
@@ -69,7 +75,18 @@ class WorkerSettings(BaseModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
                 f"max_num_seqs={self.max_num_seqs}"
             )
+        if self.pool_secret_file is not None:
+            if self.pool_secret is not None:
+                raise ValueError("give pool_secret or pool_secret_file, not both")
+            self.pool_secret = SecretStr(read_secret_file(self.pool_secret_file))
+        if self.pool_secret is not None:
+            check_secret(self.pool_secret.get_secret_value())
         return self
+
+    @property
+    def secret(self) -> str | None:
+        """The pool secret's text, or ``None`` (never log it)."""
+        return self.pool_secret.get_secret_value() if self.pool_secret is not None else None
 
     @property
     def model_name(self) -> str:
@@ -108,3 +125,15 @@ class WorkerSettings(BaseModel):
             return socket.gethostbyname(socket.gethostname())
         except OSError:
             return "127.0.0.1"
+
+
+def read_secret_file(path: Path) -> str:
+    """A secret kept in a file (a mounted Kubernetes Secret), without its final newline."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the pool secret file {path}: {type(exc).__name__}") from None
+    secret = text.strip()
+    if not secret:
+        raise ValueError(f"the pool secret file {path} is empty")
+    return secret

@@ -8,6 +8,12 @@ subscriber written for vLLM's publisher works against ours and the other way rou
 
 ZMQ sockets are not thread-safe, so one background thread owns both sockets; the engine
 thread only enqueues (:meth:`EventPublisher.publish` never blocks on the network).
+
+Events carry prompt token ids, so with a ``credential`` (the pool's, derived from its
+secret) both sockets admit only subscribers that present it: ZMQ's PLAIN mechanism, user
+:data:`USERNAME`, the credential as password, checked in constant time by a ZAP handler in
+the same thread. Anyone else's connection fails its handshake before it can subscribe or
+ask for a replay. The frames stay vLLM's; without a credential nothing changes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvpool.signing import constant_time_equal
+
 from .events import (
     END_OF_REPLAY,
     Encoding,
@@ -34,11 +42,18 @@ from .events import (
     parse_seq,
 )
 
-__all__ = ["EventPublisher"]
+__all__ = ["USERNAME", "EventPublisher"]
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+#: the PLAIN user name of a subscriber; the credential is its password
+USERNAME = b"kvpool"
+#: where libzmq asks a socket's ZAP handler (one per context: each publisher has its own)
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: at most one warning about refused subscribers per this many seconds
+_REFUSAL_LOG_S = 60.0
 
 
 class EventPublisher:
@@ -59,6 +74,7 @@ class EventPublisher:
         encoding: Encoding = "array",
         data_parallel_rank: int | None = 0,
         send_hwm: int = 100_000,
+        credential: str | bytes | None = None,
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be at least 1, got {buffer_size}")
@@ -70,6 +86,12 @@ class EventPublisher:
         self.encoding: Encoding = encoding
         self.data_parallel_rank = data_parallel_rank
         self._send_hwm = send_hwm
+        if isinstance(credential, str):
+            credential = credential.encode()
+        self._credential = credential or None
+        self.refused = 0  # connections refused for a missing or wrong credential
+        self._refusals_logged_at = -_REFUSAL_LOG_S
+        self._refusals_unlogged = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self._queue: queue.SimpleQueue[bytes | object] = queue.SimpleQueue()
         self._next_seq = 0
@@ -179,9 +201,17 @@ class EventPublisher:
         # A context of its own, terminated on close: when close() returns, the ports are
         # free again (a restarted worker can bind them at once).
         ctx = zmq.Context()
+        zap = ctx.socket(zmq.REP) if self._credential else None
         pub = ctx.socket(zmq.PUB)
         replay = ctx.socket(zmq.ROUTER) if self._replay_bind else None
         try:
+            if zap is not None:
+                # Bound before the sockets it guards accept anyone.
+                zap.setsockopt(zmq.LINGER, 0)
+                zap.bind(_ZAP_ENDPOINT)
+                for guarded in (pub, replay):
+                    if guarded is not None:
+                        guarded.setsockopt(zmq.PLAIN_SERVER, 1)
             pub.setsockopt(zmq.SNDHWM, self._send_hwm)
             pub.setsockopt(zmq.LINGER, 1000)
             pub.bind(self._bind)
@@ -196,15 +226,18 @@ class EventPublisher:
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             self._start_error = OSError(f"cannot bind KV event sockets: {exc}")
-            pub.close(0)
-            if replay is not None:
-                replay.close(0)
+            for sock in (pub, replay, zap):
+                if sock is not None:
+                    sock.close(0)
             ctx.term()
             self._ready.set()
             return
         self._ready.set()
         logger.info(
-            "publishing KV events on %s (replay on %s)", self.endpoint, self.replay_endpoint
+            "publishing KV events on %s (replay on %s)%s",
+            self.endpoint,
+            self.replay_endpoint,
+            ", to holders of the pool's credential only" if zap is not None else "",
         )
 
         poller = zmq.Poller()
@@ -212,10 +245,14 @@ class EventPublisher:
         poller.register(wake_fd, zmq.POLLIN)
         if replay is not None:
             poller.register(replay, zmq.POLLIN)
+        if zap is not None:
+            poller.register(zap, zmq.POLLIN)
         try:
             running = True
             while running:
                 ready = dict(poller.poll())
+                if zap is not None and zap in ready:
+                    self._answer_zap(zap)
                 if wake_fd in ready:
                     try:
                         self._wake_r.recv(65536)
@@ -230,7 +267,46 @@ class EventPublisher:
             pub.close()
             if replay is not None:
                 replay.close()
+            if zap is not None:
+                zap.close()
             ctx.term()  # waits for queued messages (up to the PUB's linger), frees the ports
+
+    def _answer_zap(self, zap: zmq.Socket) -> None:
+        """Answer libzmq's authentication requests (ZAP, RFC 27): a PLAIN handshake with
+        the pool's credential passes; anything else fails before the peer reads a byte."""
+        while True:
+            try:
+                frames = zap.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            request_id = frames[1] if len(frames) > 1 else b""
+            mechanism = frames[5] if len(frames) > 5 else b""
+            credentials = frames[6:]
+            ok = (
+                mechanism == b"PLAIN"
+                and len(credentials) == 2
+                and constant_time_equal(credentials[0], USERNAME)
+                and constant_time_equal(credentials[1], self._credential)
+            )
+            if ok:
+                zap.send_multipart((b"1.0", request_id, b"200", b"OK", USERNAME, b""))
+                continue
+            zap.send_multipart((b"1.0", request_id, b"400", b"no or wrong credential", b"", b""))
+            self._refusal(frames[3].decode(errors="replace") if len(frames) > 3 else "?")
+
+    def _refusal(self, address: str) -> None:
+        self.refused += 1
+        self._refusals_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusals_logged_at >= _REFUSAL_LOG_S:
+            logger.warning(
+                "KV event sockets: refused %d connection(s) with a wrong credential "
+                "(the latest from %s): is its pool secret another one?",
+                self._refusals_unlogged,
+                address or "?",
+            )
+            self._refusals_logged_at = now
+            self._refusals_unlogged = 0
 
     def _drain(self, pub: zmq.Socket) -> bool:
         while True:

@@ -18,10 +18,16 @@ blocks may be wrong and must be dropped. It is never left silently wrong:
 
 Bad messages (wrong frame count, bad sequence frame, undecodable payload, events of unknown
 type) are logged and counted in :attr:`EventSubscriber.stats`; the loop goes on.
+
+A ``credential`` (a kvpool pool's, see :mod:`kvpool.signing`) is presented on both sockets
+through ZMQ's PLAIN mechanism, which a kvpool publisher with that credential requires. Give
+it only for kvpool publishers: a vLLM publisher speaks the NULL mechanism, and a handshake
+whose mechanisms differ fails (reported once, retried with a growing pause).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -41,6 +47,7 @@ from .events import (
     parse_frames,
     parse_seq,
 )
+from .publisher import USERNAME
 
 __all__ = [
     "Delivery",
@@ -53,6 +60,14 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: the monitor events of a handshake that failed: the publisher wants another credential,
+#: or none (a vLLM publisher), or one where we had none
+_REFUSED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "wrong credential",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a credential on one side only",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+}
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class SubscriberStats:
     replay_failures: int = 0
     disconnects: int = 0
     continuity_checks: int = 0
+    handshake_failures: int = 0  # the publisher refused us (credential or mechanism)
 
 
 class Verdict(enum.Enum):
@@ -181,6 +197,7 @@ class EventSubscriber:
         idle_check: float | None = 5.0,
         recv_hwm: int = 100_000,
         name: str | None = None,
+        credential: str | bytes | None = None,
     ) -> None:
         if replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be positive, got {replay_timeout}")
@@ -196,6 +213,10 @@ class EventSubscriber:
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self._idle_ms = None if idle_check is None else int(idle_check * 1000)
         self._recv_hwm = recv_hwm
+        if isinstance(credential, str):
+            credential = credential.encode()
+        self._credential = credential or None
+        self._refused_for = 0.0  # seconds of pause before the next try, while refused
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -217,13 +238,23 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, self._recv_hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._authenticate(sub)
         # Connection events are read before messages: a (re)connection is checked before
         # anything it carries is believed.
         self._monitor = sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
         )
         sub.connect(self.endpoint)
         self._sub = sub
+
+    def _authenticate(self, sock: zmq.asyncio.Socket) -> None:
+        if self._credential is not None:
+            sock.setsockopt(zmq.PLAIN_USERNAME, USERNAME)
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self._credential)
 
     def _close_sub(self) -> None:
         if self._sub is not None:
@@ -280,17 +311,33 @@ class EventSubscriber:
 
     async def _on_connection_event(self, frames: list[bytes]) -> AsyncIterator[Delivery]:
         event = parse_monitor_message(frames)["event"]
-        if event == zmq.EVENT_DISCONNECTED:
+        if event in _REFUSED:
+            self.stats.handshake_failures += 1
+            if not self._refused_for:
+                logger.warning(
+                    "KV events from %s: the publisher refused the connection (%s): the "
+                    "router and the worker must share one pool secret, or neither have one",
+                    self.name,
+                    _REFUSED[event],
+                )
+            self._refused_for = min(max(2 * self._refused_for, 0.5), 10.0)
+        elif event == zmq.EVENT_DISCONNECTED:
             # What the dead connection left queued could be mistaken for the stream of
             # whatever answers next: start afresh; replay recovers what was really missed.
             self.stats.disconnects += 1
-            logger.info("KV events from %s: connection lost", self.name)
+            if self._refused_for:  # refused again: no hurry, and no line per try
+                pause = self._refused_for
+                logger.debug("KV events from %s: refused; next try in %.1f s", self.name, pause)
+                await asyncio.sleep(self._refused_for)
+            else:
+                logger.info("KV events from %s: connection lost", self.name)
             self._close_sub()
             self._open_sub()
             # The replay connection most likely broke too; a fresh one asks at once rather
             # than after the old one's reconnect back-off.
             self._drop_replay_socket()
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._refused_for = 0.0
             async for item in self._resume(strict=True):
                 yield item
 
@@ -484,6 +531,7 @@ class EventSubscriber:
         if self._replay is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            self._authenticate(sock)
             sock.connect(self.replay_endpoint)
             self._replay = sock
         return self._replay

@@ -1,0 +1,222 @@
+"""OpenTelemetry traces for the router and the workers: optional, and free when off.
+
+Tracing is on only when the SDK is installed (``pip install kvpool[tracing]``) and the
+standard variables ask for it: ``OTEL_TRACES_EXPORTER`` (``otlp`` or ``console``) or an OTLP
+endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``).
+``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none`` keeps it off. Everything else the
+SDK reads itself: the endpoint, headers and protocol of the exporter, ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER``.
+
+When off, :func:`tracer` is ``None`` and every call site tests that one value before doing
+any span work, so a request pays one attribute read. Trace context crosses processes as W3C
+``traceparent``: the router injects it into each upstream attempt and workers continue it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "activated",
+    "child_context",
+    "configure",
+    "end_span",
+    "extract",
+    "inject",
+    "record_span",
+    "span",
+    "start_span",
+    "tracer",
+    "use_provider",
+]
+
+_tracer: Any = None  # an opentelemetry Tracer while tracing is on
+
+
+def tracer() -> Any:
+    """The tracer while tracing is on, else None."""
+    return _tracer
+
+
+def _wanted(env: Mapping[str, str]) -> str | None:
+    """The exporter the environment asks for, or None (tracing off)."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if names:
+        return None if names == ["none"] else names[0]
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return "otlp"
+    return None
+
+
+def configure(service_name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Turn tracing on if the environment asks for it; True if it is on. A component calls
+    this once at start-up; a bad setting is logged and leaves tracing off, never stops the
+    component."""
+    global _tracer
+    env = os.environ if env is None else env
+    exporter_name = _wanted(env)
+    if exporter_name is None:
+        return _tracer is not None
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        log.warning(
+            "tracing: OTEL_* variables ask for traces but the OpenTelemetry SDK is not "
+            "installed (pip install 'kvpool[tracing]'); tracing stays off"
+        )
+        return False
+    if exporter_name == "console":
+        exporter: Any = ConsoleSpanExporter()
+    elif exporter_name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            log.warning("tracing: the OTLP exporter is not installed; tracing stays off")
+            return False
+        exporter = OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
+    else:
+        log.warning(
+            "tracing: OTEL_TRACES_EXPORTER=%s is not one kvpool knows (otlp, console, none); "
+            "tracing stays off",
+            exporter_name,
+        )
+        return False
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    use_provider(provider)
+    log.info("tracing on: %s exporter, service %s", exporter_name, service_name)
+    return True
+
+
+def use_provider(provider: Any | None) -> None:
+    """Trace through this provider (tests pass one with an in-memory exporter); None turns
+    tracing off again."""
+    global _tracer
+    _tracer = None if provider is None else provider.get_tracer("kvpool")
+
+
+def inject(headers: MutableMapping[str, str]) -> None:
+    """Add the current span's ``traceparent`` (and ``tracestate``) to outgoing headers."""
+    if _tracer is None:
+        return
+    from opentelemetry.propagate import inject as _inject
+
+    _inject(headers)
+
+
+def extract(headers: Mapping[str, str]) -> Any:
+    """The trace context that incoming headers carry (None when tracing is off)."""
+    if _tracer is None:
+        return None
+    from opentelemetry.propagate import extract as _extract
+
+    return _extract(dict(headers))
+
+
+@contextlib.contextmanager
+def span(
+    name: str,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    context: Any = None,
+    start_time: int | None = None,
+) -> Iterator[Any]:
+    """A span, current inside the block, or nothing at all when tracing is off (the block
+    gets None). ``context``: a parent from :func:`extract`; ``start_time``: nanoseconds since
+    the epoch, for a span of something that began earlier."""
+    if _tracer is None:
+        yield None
+        return
+    with _tracer.start_as_current_span(
+        name,
+        context=context,
+        attributes=dict(attributes) if attributes else None,
+        start_time=start_time,
+        record_exception=True,
+        set_status_on_exception=True,
+    ) as current:
+        yield current
+
+
+def record_span(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    context: Any = None,
+) -> Any:
+    """A span of something already over (a worker's queue, prefill or decode phase, timed by
+    the engine): started and ended at the times given. Returns the span (None when off), so
+    it can be the parent of others through ``set_span_in_context``."""
+    if _tracer is None:
+        return None
+    s = _tracer.start_span(
+        name,
+        context=context,
+        attributes=dict(attributes) if attributes else None,
+        start_time=start_ns,
+    )
+    s.end(end_time=max(end_ns, start_ns))
+    return s
+
+
+def child_context(parent: Any) -> Any:
+    """A context whose current span is ``parent`` (a span from :func:`record_span`)."""
+    if parent is None:
+        return None
+    from opentelemetry.trace import set_span_in_context
+
+    return set_span_in_context(parent)
+
+
+def start_span(
+    name: str, attributes: Mapping[str, Any] | None = None, *, context: Any = None
+) -> Any:
+    """A span that outlives one block (a streamed answer's goes on after its handler
+    returns): None when tracing is off. Make it current with :func:`activated`; end it
+    with :func:`end_span`."""
+    if _tracer is None:
+        return None
+    return _tracer.start_span(
+        name, context=context, attributes=dict(attributes) if attributes else None
+    )
+
+
+@contextlib.contextmanager
+def activated(current: Any) -> Iterator[Any]:
+    """Make ``current`` (from :func:`start_span`) the parent of spans started in the block,
+    without ending it; nothing when it is None."""
+    if current is None:
+        yield None
+        return
+    from opentelemetry.trace import use_span
+
+    with use_span(
+        current, end_on_exit=False, record_exception=False, set_status_on_exception=False
+    ):
+        yield current
+
+
+def end_span(current: Any, error: str | None = None, **attributes: Any) -> None:
+    """End a span from :func:`start_span`, marked as an error with ``error``'s text."""
+    if current is None:
+        return
+    if attributes:
+        current.set_attributes(attributes)
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        current.set_status(Status(StatusCode.ERROR, error))
+    current.end()
