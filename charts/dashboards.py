@@ -353,6 +353,59 @@ ROUTING = Dashboard(
             ],
         ),
         (
+            "Flow control and tenants",
+            [
+                Panel(
+                    "Waiting in the router",
+                    "Requests held in the router's queue while the pool is saturated, by "
+                    "priority band.",
+                    [(agg("sum", "kvpool_router_queue_depth", by="band"), "{{band}}")],
+                    width=8,
+                ),
+                Panel(
+                    "Queue wait p90",
+                    "How long requests that waited spent in the router's queue before a "
+                    "worker, by priority band.",
+                    [(quantile("0.9", "kvpool_router_queue_wait_seconds", by="band"), "{{band}}")],
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Saturation and shedding",
+                    "Requests that found the pool saturated (why), and requests flow control "
+                    "gave up on (why: deadline, full queue, displaced, waited too long).",
+                    [
+                        (
+                            rate("kvpool_router_saturated_total", by="reason"),
+                            "saturated {{reason}}",
+                        ),
+                        (rate("kvpool_router_shed_total", by="reason"), "shed {{reason}}"),
+                    ],
+                    unit="reqps",
+                    width=8,
+                ),
+                Panel(
+                    "Tokens by tenant",
+                    "Prompt and completion tokens served per second to each tenant, from "
+                    "the answers' usage (anonymous when the router checks no keys).",
+                    [(rate("kvpool_router_tenant_tokens_total", by="tenant"), "{{tenant}}")],
+                    unit="short",
+                ),
+                Panel(
+                    "Requests by tenant and outcome",
+                    "Requests per second per tenant: served, failed, refused by its rate "
+                    "limits, or shed by flow control.",
+                    [
+                        (
+                            rate("kvpool_router_tenant_requests_total", by="tenant, outcome"),
+                            "{{tenant}} {{outcome}}",
+                        )
+                    ],
+                    unit="reqps",
+                ),
+            ],
+        ),
+        (
             "Router health",
             [
                 Panel(

@@ -146,7 +146,9 @@ def _start_stack(tmp: Path) -> tuple[subprocess.Popen[str], str, list[str], str]
     subprocess.run([*KVPOOL, "worker", "make-tiny-model", str(model)], env=_env(), check=True)
     proc = subprocess.Popen(
         [*KVPOOL, "up", "--model", str(model), "--workers", "2", "--port", "0"],
-        env=_env(),
+        # Two requests at a time: the load's others wait in the router's queue, so the
+        # flow-control panels have something to show.
+        env=_env(KVPOOL_ROUTER_MAX_CONCURRENCY="2"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

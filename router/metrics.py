@@ -328,6 +328,8 @@ class RouterMetrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
+        for band in BANDS:
+            self.queue_wait.labels(band)
         self.saturated = Counter(
             "kvpool_router_saturated",
             "Requests that found the pool saturated (every eligible worker over the TTFT "

@@ -120,6 +120,11 @@ PROMISED = {
         "kvpool_router_worker_in_flight_requests",
         "kvpool_router_kv_event_lag_seconds_bucket",
         "kvpool_router_kv_event_gaps_total",
+        # flow control and tenants
+        "kvpool_router_queue_depth",
+        "kvpool_router_queue_wait_seconds_bucket",
+        "kvpool_router_shed_total",
+        "kvpool_router_tenant_tokens_total",
     ],
     "kvpool-workers": [
         "vllm:kv_cache_usage_perc",
