@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
+from kvpool.http_limits import HttpLimits, guarded_protocol
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat_text
 
@@ -1546,6 +1547,14 @@ def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
         timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
         access_log=False,
         lifespan="on",
+        # what one client may hold: its connections, its headers' time and size
+        http=guarded_protocol(
+            HttpLimits(
+                header_timeout_s=s.header_timeout_s,
+                max_header_bytes=s.max_header_bytes,
+                max_connections_per_client=s.max_connections_per_client,
+            )
+        ),
     )
     return _Uvicorn(config, router)
 
