@@ -71,7 +71,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     docs = [
         child
         for name, spec in pools
-        for child in render(name, args.namespace, spec, settings.images())
+        for child in render(name, args.namespace, spec, settings.images(), settings.peers())
     ]
     sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     return 0

@@ -17,6 +17,10 @@ A worker Deployment's ``spec.replicas`` is never part of that apply: it has its 
 manager (``kvpool-operator-replicas``), written only when the operator decides a count (see
 :mod:`.handlers`), so handing the count to an HPA or KEDA never resets it to a default.
 
+The pool secret is the exception: :meth:`Cluster.create_once` creates it, with a random key,
+and nothing ever writes it again, so the key stays the one every pod of the pool started
+with (and the operator needs no right to change a Secret).
+
 Objects that exist but are not the pool's (another controller's, or nobody's) are never
 taken: :func:`foreign_owner` says whose they are, and the caller leaves them alone.
 """
@@ -62,6 +66,8 @@ KINDS: dict[tuple[str, str], Kind] = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): Kind("RbacAuthorizationV1Api", "role_binding"),
     ("apps/v1", "Deployment"): Kind("AppsV1Api", "deployment"),
     ("policy/v1", "PodDisruptionBudget"): Kind("PolicyV1Api", "pod_disruption_budget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): Kind("NetworkingV1Api", "network_policy"),
+    ("v1", "Secret"): Kind("CoreV1Api", "secret"),
 }
 
 
@@ -324,6 +330,25 @@ class Cluster:
                           field_manager=FIELD_MANAGER, _content_type=MERGE_PATCH,
                           _preload_content=False)  # fmt: skip
         log.info("patched %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
+        return self._json(resp)
+
+    def create_once(self, obj: Manifest) -> Manifest:
+        """Create ``obj`` as it is, unless it exists; never change it (the pool secret, whose
+        key must stay the one the pool's pods started with). Returns the live object; raises
+        :class:`AlreadyOwned` when one that is not the pool's has its name. Nothing of the
+        object's data is logged."""
+        kind = self.kind_of(obj)
+        meta = obj["metadata"]
+        try:
+            resp = self._call(kind, "create", meta["namespace"], obj,
+                              field_manager=FIELD_MANAGER, _preload_content=False)  # fmt: skip
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            live = self.read(obj) or {}  # made meanwhile: by a sync of ours, or by another
+            _check_owner(live, obj)
+            return live
+        log.info("created %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
         return self._json(resp)
 
     def owned_children(self, namespace: str, pool: str, uid: str) -> list[Manifest]:

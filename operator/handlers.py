@@ -3,7 +3,8 @@
 * create / update / resume of an InferencePool -> :func:`sync` (validate, render, apply,
   prune, status);
 * any event on a child (edited or deleted by hand, or a Deployment's pods becoming ready)
-  -> :func:`sync` of its pool, which restores the child and refreshes the status;
+  -> :func:`sync` of its pool, which restores the child and refreshes the status (the pool
+  secret aside: it is made once, with a random key, and never written again);
 * one operator thread over every pool: each ``autoscaling.intervalSeconds`` (or the resync
   interval) it scrapes the router and the workers, asks :mod:`kvpool.operator.autoscaler`
   for replicas, applies them (``Active``) or only records them (``Advisory``), and syncs
@@ -18,6 +19,7 @@ kopf keeps its own bookkeeping in ``kvpool.io/*`` annotations, not in the status
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import copy
 import json
@@ -35,6 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from kvpool import __version__
 from kvpool.api import API_VERSION, GROUP, KIND, PLURAL, VERSION, validate_pool
 from kvpool.api.inferencepool import InferencePoolSpec
+from kvpool.signing import new_secret
 
 from . import metrics
 from . import settings as settings_module
@@ -42,6 +45,7 @@ from .cluster import AlreadyOwned, Cluster, foreign_owner, merge_patch
 from .peering import PeeringReader, kubernetes_fetch
 from .podcheck import check_children
 from .render import (
+    GENERATED_KEY,
     GROUP_LABEL,
     MANAGED_BY,
     POOL_LABEL,
@@ -332,7 +336,7 @@ def _sync_once(
             name, body.get("spec") or {}, allow_host_access=settings.allow_host_access
         )
         assert spec is not None
-        children = render(name, namespace, spec, settings.images())
+        children = render(name, namespace, spec, settings.images(), settings.peers())
         check_children(children)
         error = None
     except ValueError as exc:
@@ -370,7 +374,11 @@ def _sync_once(
                 break
             replicas = _worker_replicas(spec, child, live)
             try:
-                if not c.converged(live, child):  # the usual case, an unchanged pool: no apply
+                if _generated(child):  # the pool secret: made once, never written again
+                    if live is None:
+                        live = c.create_once(with_generated_key(child))
+                        changed.append(f"{child['kind']} {child['metadata']['name']}")
+                elif not c.converged(live, child):  # the usual case, unchanged: no apply
                     live = c.apply(child, live, create_replicas=replicas)
                     changed.append(f"{child['kind']} {child['metadata']['name']}")
                 if replicas is not None:
@@ -420,6 +428,20 @@ def _sync_once(
         c.patch_status(namespace, name, patch)
     _record_for_metrics(rt, spec, deployments, status)
     return "invalid" if error else "error" if (apply_error or owner_error) else "ok"
+
+
+def _generated(child: dict[str, Any]) -> str | None:
+    """The key of a child whose data the operator generates once (the pool secret)."""
+    return ((child["metadata"].get("annotations") or {}).get(GENERATED_KEY)) or None
+
+
+def with_generated_key(child: dict[str, Any]) -> dict[str, Any]:
+    """The child, its generated key filled with a new pool secret (256 random bits, as text:
+    it reaches the pods as an environment variable)."""
+    body = copy.deepcopy(child)
+    value = new_secret().encode()
+    body["data"] = {_generated(child): base64.b64encode(value).decode()}
+    return body
 
 
 def _without_nulls(value: Any) -> Any:
@@ -522,6 +544,10 @@ _CHILD_KINDS = (
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    # Not Secrets: the pool secret is made once and never restored or rewritten, so the
+    # operator need not watch (nor be able to read as they change) the cluster's Secrets; one
+    # deleted by hand is made again, with a new key, at the next resync.
 )
 
 

@@ -6,7 +6,10 @@ tests compare it with golden manifests, and ``kvpool operator render`` prints it
 
 Names: ``<pool>-prefill`` and ``<pool>-decode`` (worker Deployments, headless Services and
 PodDisruptionBudgets), ``<pool>-router`` (the router's Deployment, Service, ConfigMap,
-ServiceAccount, Role, RoleBinding and PodDisruptionBudget).
+ServiceAccount, Role, RoleBinding, PodDisruptionBudget and NetworkPolicy),
+``<pool>-workers`` (the workers' NetworkPolicy) and ``<pool>-pool-secret`` (the Secret with
+the key the router and kvpool workers share, made once by the operator: see
+:func:`pool_secret`).
 
 Labels: every child carries the standard ``app.kubernetes.io/*`` labels and
 ``kvpool.io/pool``; worker pods carry ``kvpool.io/role`` (prefill, decode or both), which the
@@ -26,7 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool import __version__
-from kvpool.api.inferencepool import EngineSpec, InferencePoolSpec, RoleSpec
+from kvpool.api.inferencepool import (
+    CLIENT_LIMIT_SETTINGS,
+    FLOW_CONTROL_SETTINGS,
+    EngineSpec,
+    InferencePoolSpec,
+    RoleSpec,
+)
 
 Manifest = dict[str, Any]
 
@@ -60,6 +69,19 @@ HF_SNAPSHOT = f"{MODEL_MOUNT}/snapshot"
 # allow-list, as repositories hold weights in more formats than _WEIGHT_GLOBS names.
 _TOKENIZER_GLOBS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 IMAGE_GROUP = 65532  # the group our images run as (their Dockerfiles' USER)
+# The tenants Secret, mounted whole as a directory (never subPath: the kubelet then updates
+# the files in place when the Secret changes, and the router reads them again).
+TENANTS_VOLUME = "tenants"
+TENANTS_MOUNT = "/etc/kvpool/tenants"
+# The pool secret the operator makes (when the spec names none), and where it goes.
+POOL_SECRET_KEY = "pool-secret"
+ROUTER_POOL_SECRET_ENV = "KVPOOL_ROUTER_POOL_SECRET"
+# kvpool workers read their settings from KVPOOL_* (not KVPOOL_WORKER_*): serve and the
+# preStop hook's drain alike (tests/test_operator_network.py checks it with the worker).
+WORKER_POOL_SECRET_ENV = "KVPOOL_POOL_SECRET"
+# On a child the operator creates once and never writes again: the key of its data that
+# the operator fills with a random value at creation (see handlers).
+GENERATED_KEY = "kvpool.io/generated-key"
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,28 @@ class Images:
             vllm=cls.vllm,
             router=f"ghcr.io/kvpool/kvpool-router:{version}",
         )
+
+
+# Who scrapes metrics when neither the pool (networkPolicy.metricsFrom) nor the operator's
+# settings say: Prometheus pods in any namespace, as prometheus-operator (kube-prometheus-
+# stack) and the prometheus-community chart label them.
+DEFAULT_METRICS_FROM: tuple[Manifest, ...] = (
+    {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    },
+)
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who reaches a pool's pods besides its own routers and workers, from the operator's
+    settings (as Images are): the metrics scrapers when the spec names none, and the
+    operator's own pods, which scrape routers and workers for the autoscaler (None: the
+    operator runs outside the cluster, or its pods are not known)."""
+
+    metrics: tuple[Manifest, ...] = DEFAULT_METRICS_FROM
+    operator: Manifest | None = None
 
 
 # --- labels and names -----------------------------------------------------------------------
@@ -517,6 +561,9 @@ def worker_deployment(
     engine = spec.engine
     build = _vllm_worker if engine.type == "vllm" else _kvpool_worker
     container = build(spec, role, images)
+    # kvpool workers sign and check the hand-off, and guard their admin endpoints, with the
+    # pool secret: on the container, where the preStop hook's drain reads it too.
+    container["env"] += _pool_secret_env(pool, spec, WORKER_POOL_SECRET_ENV)
     container["env"] += _env(engine.env) + _env(role_spec.env)
     container["ports"] = _worker_ports(engine)
     if engine.image_pull_policy:
@@ -667,9 +714,24 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
         data["KVPOOL_ROUTER_WORKER_REPLAY_PORT"] = str(engine.kv_events.replay_port)
     if router.scorers:
         data["KVPOOL_ROUTER_SCORER"] = " ".join(f"{k}={v:g}" for k, v in router.scorers.items())
+    if router.auth is not None:  # without it, the router asks for no key
+        data["KVPOOL_ROUTER_API_KEYS_FILE"] = f"{TENANTS_MOUNT}/{router.auth.key}"
+    typed = ((router.flow_control, FLOW_CONTROL_SETTINGS),
+             (router.client_limits, CLIENT_LIMIT_SETTINGS))  # fmt: skip
+    for part, settings in typed:
+        for field, setting in settings.items():
+            value = getattr(part, field)
+            if value is not None:  # unset: the router's default
+                data[f"KVPOOL_ROUTER_{setting.upper()}"] = _setting_text(value)
     for key, value in router.settings.items():
         data[f"KVPOOL_ROUTER_{_snake(key)}"] = value
     return data
+
+
+def _setting_text(value: bool | int | float) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _router_copies_tokenizer(spec: InferencePoolSpec) -> bool:
@@ -696,7 +758,8 @@ def router_deployment(
             {
                 "name": "KVPOOL_ROUTER_NAMESPACE",
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
-            }
+            },
+            *_pool_secret_env(pool, spec, ROUTER_POOL_SECRET_ENV),
         ],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         **_probes("http"),
@@ -727,6 +790,12 @@ def router_deployment(
         model_init = _model_init(spec, images)
         if model_init is not None:
             init.append(model_init)
+    if router.auth is not None:
+        volumes.append({"name": TENANTS_VOLUME, "secret": {"secretName": router.auth.secret_name}})
+        container["volumeMounts"] = [
+            *container.get("volumeMounts", []),
+            {"name": TENANTS_VOLUME, "mountPath": TENANTS_MOUNT, "readOnly": True},
+        ]
     pod_spec: Manifest = {
         "serviceAccountName": name,
         "terminationGracePeriodSeconds": 60,
@@ -810,12 +879,141 @@ def router_manifests(
     ]
 
 
-def render(
-    pool: str, namespace: str, spec: InferencePoolSpec, images: Images | None = None
+# --- the pool secret ------------------------------------------------------------------------
+
+
+def pool_secret_ref(pool: str, spec: InferencePoolSpec) -> tuple[str, str] | None:
+    """The Secret and key holding the pool secret: the spec's (``poolSecret``), else the
+    one the operator makes. None in a pool of vLLM workers, where nothing would check it."""
+    if spec.engine.type != "kvpool":
+        return None
+    if spec.pool_secret is not None:
+        return spec.pool_secret.secret_name, spec.pool_secret.key
+    return f"{pool}-pool-secret", POOL_SECRET_KEY
+
+
+def _pool_secret_env(pool: str, spec: InferencePoolSpec, variable: str) -> list[Manifest]:
+    ref = pool_secret_ref(pool, spec)
+    if ref is None:
+        return []
+    return [{"name": variable, "valueFrom": {"secretKeyRef": {"name": ref[0], "key": ref[1]}}}]
+
+
+def pool_secret(pool: str, namespace: str, spec: InferencePoolSpec) -> Manifest | None:
+    """The Secret of the pool secret when the operator makes it (the spec names none), as
+    rendered: without its data, as rendering is pure and the key must be random. The
+    operator creates it once with a random value under the key ``kvpool.io/generated-key``
+    names, and never writes it again, so the key stays the one every pod started with;
+    immutable, so that nobody changes it under running pods either. Deleting it rotates the
+    key: the operator makes a new one, which pods read when they (re)start."""
+    ref = pool_secret_ref(pool, spec)
+    if ref is None or spec.pool_secret is not None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(
+            pool, namespace, ref[0], "pool-secret", annotations={GENERATED_KEY: ref[1]}
+        ),
+        "type": "Opaque",
+        "immutable": True,
+    }
+
+
+# --- network policies -----------------------------------------------------------------------
+
+
+def _peers(given: list[Any] | None, default: Iterable[Manifest]) -> list[Manifest]:
+    if given is None:
+        return copy.deepcopy(list(default))
+    return [p.model_dump(by_alias=True, exclude_defaults=True) for p in given]
+
+
+def network_policies(
+    pool: str, namespace: str, spec: InferencePoolSpec, peers: Peers | None = None
 ) -> list[Manifest]:
-    """Every child of the pool, in the order to apply them (config before its users)."""
+    """Who may connect to the pool's pods (``networkPolicy``; none when it is off).
+
+    Workers (``<pool>-workers``): their HTTP port from the pool's routers, from the metrics
+    scrapers and the operator (``/metrics`` is on that port, and the autoscaler scrapes it)
+    and, in a disaggregated pool, from the pool's other workers (a decode worker pulls the
+    prompt's KV blocks from a prefill worker there); the KV event and replay ports from the
+    routers only. vLLM workers of a disaggregated pool take any port from the pool's other
+    workers: NIXL's side channel, then UCX's transports, on ports of their choosing.
+
+    The router (``<pool>-router``): its port from anyone, unless ``clientsFrom`` names who
+    (the metrics scrapers and the operator are then added). A rule's ``from`` is never
+    empty, which would mean everyone: a router nobody may reach has no rule at all."""
+    policy = spec.network_policy
+    if not policy.enabled:
+        return []
+    peers = peers or Peers()
+    engine = spec.engine
+    routers = {"podSelector": {"matchLabels": selector_labels(pool, "router")}}
+    workers = {"podSelector": {"matchLabels": selector_labels(pool, "worker")}}
+    watchers = _peers(policy.metrics_from, peers.metrics)
+    if peers.operator is not None:
+        watchers.append(copy.deepcopy(peers.operator))
+    disaggregated = spec.prefill is not None
+
+    http_from = [copy.deepcopy(routers)]
+    if disaggregated and engine.type == "kvpool":
+        http_from.append(copy.deepcopy(workers))
+    worker_ingress: list[Manifest] = [{"from": http_from + watchers, "ports": [_tcp(engine.port)]}]
+    if engine.kv_events.enabled:
+        ports = [_tcp(engine.kv_events.port), _tcp(engine.kv_events.replay_port)]
+        worker_ingress.append({"from": [copy.deepcopy(routers)], "ports": ports})
+    if disaggregated and engine.type == "vllm":
+        worker_ingress.append({"from": [copy.deepcopy(workers)]})
+
+    if policy.clients_from is None:  # anyone: router.auth's keys guard it
+        router_ingress = [{"ports": [_tcp(ROUTER_PORT)]}]
+    else:
+        clients = _peers(policy.clients_from, ()) + copy.deepcopy(watchers)
+        router_ingress = [{"from": clients, "ports": [_tcp(ROUTER_PORT)]}] if clients else []
+    return [
+        _network_policy(pool, namespace, f"{pool}-workers", "worker", worker_ingress),
+        _network_policy(pool, namespace, f"{pool}-router", "router", router_ingress),
+    ]
+
+
+def _tcp(port: int) -> Manifest:
+    return {"protocol": "TCP", "port": port}
+
+
+def _network_policy(
+    pool: str, namespace: str, name: str, component: str, ingress: list[Manifest]
+) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(pool, namespace, name, component),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(pool, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+# --- the pool -------------------------------------------------------------------------------
+
+
+def render(
+    pool: str,
+    namespace: str,
+    spec: InferencePoolSpec,
+    images: Images | None = None,
+    peers: Peers | None = None,
+) -> list[Manifest]:
+    """Every child of the pool, in the order to apply them: who may connect first (no pod
+    runs before its policy), then the pool secret, then config before its users."""
     images = images or Images()
-    children = router_manifests(pool, namespace, spec, images)
+    children = network_policies(pool, namespace, spec, peers)
+    secret = pool_secret(pool, namespace, spec)
+    if secret is not None:
+        children.append(secret)
+    children += router_manifests(pool, namespace, spec, images)
     for role in spec.roles():
         children += [
             worker_service(pool, namespace, spec, role),

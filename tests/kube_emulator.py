@@ -25,6 +25,8 @@ BUILTIN: dict[str, tuple[str, bool, set[str]]] = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
+    "v1/secrets": ("Secret", True, set()),
     "v1/pods": ("Pod", True, {"status"}),
     "v1/events": ("Event", True, set()),
     # kopf discovers namespaces, and watches CRDs (it waits for that watch to start)

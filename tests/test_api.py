@@ -425,6 +425,38 @@ VALID = {
     "one port moved": ("ports", spec_with(engine={"kvEvents": {"port": 5559}})),
     "equal bounds": ("eq", spec_with(autoscaling={"decode": {"minReplicas": 3, "maxReplicas": 3}})),
     "surge only": ("surge", spec_with(decode={"rollout": {"maxSurge": "10%"}})),
+    "locked down: keys, own pool secret, peers": (
+        "locked",
+        spec_with(
+            router={
+                "auth": {"secretName": "tenants"},
+                "flowControl": {"enabled": True, "saturationTtftSeconds": 1.5},
+                "clientLimits": {"headerTimeoutSeconds": 5, "maxConnectionsPerClient": 8},
+                "settings": {"maxConcurrency": "512"},
+            },
+            poolSecret={"secretName": "mine", "key": "hmac"},
+            networkPolicy={
+                "metricsFrom": [
+                    {
+                        "namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                        },
+                        "podSelector": {
+                            "matchExpressions": [
+                                {"key": "app", "operator": "In", "values": ["prometheus"]},
+                                {"key": "shard", "operator": "Exists"},
+                            ]
+                        },
+                    }
+                ],
+                "clientsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.9.0.0/16"]}}],
+            },
+        ),
+    ),
+    "vllm: no pool secret, no policies": (
+        "v",
+        spec_with(engine=VLLM, networkPolicy={"enabled": False, "metricsFrom": []}),
+    ),
 }
 
 # (name, spec, substrings of the messages of the rules the API server refuses it for)
@@ -534,6 +566,63 @@ INVALID = {
         "p",
         spec_with(model={**MODEL, "tokenizer": "t"}),
         ["model.tokenizer"],
+    ),
+    "pool secret for vllm workers": (
+        "p",
+        spec_with(engine=VLLM, poolSecret={"secretName": "s"}),
+        ["poolSecret is for kvpool"],
+    ),
+    "a secret in a ConfigMap": (
+        "p",
+        spec_with(router={"settings": {"poolSecret": "hunter2"}}),
+        ["router.settings may not"],
+    ),
+    "a flow control setting in two places": (
+        "p",
+        spec_with(router={"settings": {"queueTimeoutS": "5"}}),
+        ["router.settings may not"],
+    ),
+    "a peer that names nobody": (
+        "p",
+        spec_with(networkPolicy={"metricsFrom": [{}]}),
+        ["a peer needs"],
+    ),
+    "an ipBlock with a selector": (
+        "p",
+        spec_with(
+            networkPolicy={
+                "clientsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "namespaceSelector": {}}]
+            }
+        ),
+        ["ipBlock goes alone"],
+    ),
+    "In without values": (
+        "p",
+        spec_with(
+            networkPolicy={
+                "metricsFrom": [
+                    {"podSelector": {"matchExpressions": [{"key": "app", "operator": "In"}]}}
+                ]
+            }
+        ),
+        ["values: some for In"],
+    ),
+    "Exists with values": (
+        "p",
+        spec_with(
+            networkPolicy={
+                "metricsFrom": [
+                    {
+                        "podSelector": {
+                            "matchExpressions": [
+                                {"key": "app", "operator": "Exists", "values": ["x"]}
+                            ]
+                        }
+                    }
+                ]
+            }
+        ),
+        ["values: some for In"],
     ),
     "name too long": ("p" * (ip.MAX_NAME_LENGTH + 1), MINIMAL, ["metadata.name"]),
     "name too long and no prefill": (
@@ -728,6 +817,42 @@ PROBLEMS = {
         "spec.router.settings.maxConcurrency: Input should be a valid string",
     ),
     "spec not an object": ("p", ["model"], "spec: Input should be a valid dictionary"),
+    "tenants Secret not a name": (
+        "p",
+        spec_with(router={"auth": {"secretName": "Team_A"}}),
+        "spec.router.auth.secretName: not a DNS-1123 name: 'Team_A'",
+    ),
+    "tenants key not a file name": (
+        "p",
+        spec_with(router={"auth": {"secretName": "keys", "key": ".."}}),
+        "spec.router.auth.key: not a Secret key: '..'",
+    ),
+    "bad CIDR": (
+        "p",
+        spec_with(networkPolicy={"clientsFrom": [{"ipBlock": {"cidr": "10.0.0.300/8"}}]}),
+        "spec.networkPolicy.clientsFrom.0.ipBlock.cidr: not a CIDR: '10.0.0.300/8'",
+    ),
+    "bad label value": (
+        "p",
+        spec_with(
+            networkPolicy={"metricsFrom": [{"podSelector": {"matchLabels": {"app": "not ok"}}}]}
+        ),
+        "spec.networkPolicy.metricsFrom.0.podSelector.matchLabels.app: not a label value",
+    ),
+    "label name part too long": (
+        "p",
+        spec_with(
+            networkPolicy={
+                "metricsFrom": [{"podSelector": {"matchLabels": {"example.com/" + "a" * 64: "x"}}}]
+            }
+        ),
+        "spec.networkPolicy.metricsFrom.0.podSelector.matchLabels.example.com/",
+    ),
+    "flow control bound not positive": (
+        "p",
+        spec_with(router={"flowControl": {"saturationTtftSeconds": 0}}),
+        "spec.router.flowControl.saturationTtftSeconds: Input should be greater than 0",
+    ),
 }
 
 
@@ -927,3 +1052,19 @@ def test_prefill_is_not_autoscaled_in_an_aggregated_pool() -> None:
         },
     )
     assert spec.autoscaled("decode") and not spec.autoscaled("prefill")
+
+
+def test_a_minimal_pool_is_locked_down_but_asks_for_no_key() -> None:
+    """NetworkPolicies on, the operator's pool secret; no API keys (router.auth unset):
+    whoever reaches the router may use the pool, as the CRD's description says."""
+    pool = validate_pool("tiny", MINIMAL)
+    assert pool.network_policy.enabled is True
+    assert pool.network_policy.metrics_from is None  # the operator's default scrapers
+    assert pool.network_policy.clients_from is None  # anyone may reach the router
+    assert pool.pool_secret is None  # the operator makes one
+    assert pool.router.auth is None
+    auth = SCHEMA["properties"]["spec"]["properties"]["router"]["properties"]["auth"]
+    assert "asks for no key" in auth["description"]
+    assert validate_pool("t", spec_with(router={"auth": {"secretName": "k"}})).router.auth.key == (
+        "tenants.yaml"
+    )

@@ -49,7 +49,14 @@ from kvpool.devtools import helm
 from kvpool.operator import handlers
 from kvpool.operator import settings as operator_settings
 from kvpool.operator.cluster import KINDS, Cluster
-from kvpool.operator.render import MANAGED_BY, POOL_LABEL, ROLE_LABEL, Images, render
+from kvpool.operator.render import (
+    DEFAULT_METRICS_FROM,
+    MANAGED_BY,
+    POOL_LABEL,
+    ROLE_LABEL,
+    Images,
+    render,
+)
 
 from kube_emulator import chart_crds, declare_resources, write_kubeconfig
 
@@ -74,6 +81,18 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
     },
     "no-dashboards": {"dashboards": {"enabled": False}},
+    "network-policy": {
+        "networkPolicy": {
+            "operator": {"enabled": True},
+            "metricsFrom": [
+                {
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}
+                    }
+                }
+            ],
+        }
+    },
     "custom": {
         "fullnameOverride": "llm-operator",
         "image": {"tag": "0.2.0"},
@@ -361,6 +380,11 @@ def test_the_peering_crds_serve_what_kopf_looks_for() -> None:
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
         ({"peering": {"priority": "high"}}, "at '/peering/priority'"),
         ({"dashboards": {"enable": False}}, "additional properties 'enable' not allowed"),
+        ({"networkPolicy": {"metricsFrom": [{}]}}, "at '/networkPolicy/metricsFrom/0'"),
+        (
+            {"networkPolicy": {"metricsFrom": [{"podSelecter": {}}]}},
+            "additional properties 'podSelecter' not allowed",
+        ),
         ({"replicas": 2, "peering": {"priority": 5}}, "leave peering.priority unset"),
         (
             {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
@@ -661,7 +685,7 @@ OWNER_REFERENCES: set[Need] = {("kvpool.io", "inferencepools/finalizers", "updat
 # handlers.sync), so a new one (a new kind of API call) fails here until it is.
 CLUSTER_METHODS = {
     "read", "apply", "owned_children", "prune", "scale", "deployment", "pods", "pool",
-    "patch_status", "kind_of", "record", "converged",
+    "patch_status", "kind_of", "record", "converged", "create_once",
 }  # fmt: skip
 
 
@@ -779,7 +803,8 @@ async def operator_requests(
 
 def child_url(ns: str, api_version: str, kind: str, name: str | None = None) -> str:
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    url = f"{base}/namespaces/{ns}/{kind.lower()}s"
+    plural = kind.lower()[:-1] + "ies" if kind.endswith("y") else f"{kind.lower()}s"
+    url = f"{base}/namespaces/{ns}/{plural}"
     return f"{url}/{name}" if name else url
 
 
@@ -815,12 +840,14 @@ async def reconcile_a_pool(http: httpx.AsyncClient, ns: str) -> None:
         return all([await get(url) for url in urls])
 
     await eventually(all_children, "every child created")
+    # every child but the pool secret, which is made once and never written again
+    edited = [url for c, url in zip(children, urls, strict=True) if c["kind"] != "Secret"]
     edit = {"metadata": {"labels": {"app.kubernetes.io/version": "edited-by-hand"}}}
-    for url in urls:
+    for url in edited:
         await write("PATCH", url, edit)
 
     async def restored() -> bool:
-        for url in urls:
+        for url in edited:
             labels = ((await get(url) or {}).get("metadata") or {}).get("labels") or {}
             if labels.get("app.kubernetes.io/version") != __version__:
                 return False
@@ -909,6 +936,23 @@ def test_rbac_uses_no_wildcard_and_binds_only_the_operator(
         assert one(docs, "ServiceAccount")["metadata"]["name"] == sa
 
 
+def test_the_operator_may_not_change_or_watch_secrets(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The pool secret is created once and never rewritten: no right to change a Secret,
+    nor to follow them as they change."""
+    for value_set in ("default", "namespaced"):
+        cluster, namespaced = grants(rendered[value_set])
+        scopes = [cluster] if not namespaced else list(namespaced.values())
+        for held in scopes:
+            secrets = {
+                verb for group, resource, verb in held if (group, resource) == ("", "secrets")
+            }
+            assert secrets == {"get", "list", "create", "delete"}, value_set
+        if namespaced:  # and nothing on Secrets cluster-wide
+            assert not [need for need in cluster if need[1] == "secrets"]
+
+
 def test_the_request_parser_maps_verbs() -> None:
     assert request_need("GET", "/api/v1/namespaces/a/pods", {}) == ("a", ("", "pods", "list"))
     assert request_need("GET", "/api/v1/namespaces", {"watch": "true"}) == (
@@ -922,6 +966,59 @@ def test_the_request_parser_maps_verbs() -> None:
     )  # fmt: skip
     assert request_need("GET", "/apis", {}) is None
     assert request_need("GET", "/apis/apps/v1", {}) is None
+
+
+# --- network policies -----------------------------------------------------------------------
+
+
+def test_the_operator_knows_its_pods_and_the_default_scrapers(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """What the pools' NetworkPolicies let through: the operator's pods (the autoscaler
+    scrapes routers and workers), as they run, and the scrapers of networkPolicy.metricsFrom,
+    whose default is the operator's own."""
+    for value_set in ("default", "custom", "network-policy"):
+        docs = rendered[value_set]
+        env = plain_env(docs)
+        assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == NAMESPACE
+        pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+        selector = dict(item.split("=") for item in env["KVPOOL_OPERATOR_POD_SELECTOR"].split(","))
+        assert selector.items() <= pod_labels.items(), value_set
+        assert selector["app.kubernetes.io/component"] == "operator"
+        settings = operator_settings.OperatorSettings(
+            pod_namespace=env["KVPOOL_OPERATOR_POD_NAMESPACE"],
+            pod_selector=env["KVPOOL_OPERATOR_POD_SELECTOR"],
+            metrics_from=env["KVPOOL_OPERATOR_METRICS_FROM"],
+        )
+        peers = settings.peers()
+        assert peers.operator is not None
+        assert peers.operator["podSelector"]["matchLabels"] == selector
+        want = VALUE_SETS[value_set].get("networkPolicy", {}).get("metricsFrom")
+        assert list(peers.metrics) == (want if want is not None else list(DEFAULT_METRICS_FROM))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["networkPolicy"]["metricsFrom"] == list(DEFAULT_METRICS_FROM), (
+        "the chart's default scrapers are the operator's"
+    )
+
+
+def test_the_operators_own_network_policy_only_when_asked(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    assert not of_kind(rendered["default"], "NetworkPolicy")
+    docs = rendered["network-policy"]
+    policy = one(docs, "NetworkPolicy")
+    pod = one(docs, "Deployment")["spec"]["template"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == VALUE_SETS["network-policy"]["networkPolicy"]["metricsFrom"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert rule["ports"] == [{"protocol": "TCP", "port": ports["metrics"]}]
+    # nobody scrapes: no rule at all (an empty "from" would let everyone in)
+    closed = template(
+        tmp_path, {"networkPolicy": {"operator": {"enabled": True}, "metricsFrom": []}}
+    )
+    assert one(closed, "NetworkPolicy")["spec"].get("ingress") in ([], None)
 
 
 # --- dashboards -----------------------------------------------------------------------------

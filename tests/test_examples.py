@@ -445,3 +445,99 @@ def test_download_job_runs_as_the_image_user_with_a_command_it_has() -> None:
             for arg in c["command"][2:]:
                 if arg.startswith("--"):
                     assert arg in help_text, f"`hf download` has no {arg}"
+
+
+# --- tenants/: API keys and a locked-down pool ------------------------------------------------
+
+TENANTS = EXAMPLES / "tenants"
+
+
+def tenants_documents() -> dict[str, dict[str, Any]]:
+    """The objects of examples/tenants/, by kind."""
+    docs = [
+        d
+        for path in sorted(TENANTS.glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d is not None
+    ]
+    by_kind = {d["kind"]: d for d in docs}
+    assert len(by_kind) == len(docs) == 2, "one pool and one Secret"
+    return by_kind
+
+
+def test_the_tenants_pool_renders_what_its_readme_says() -> None:
+    from kvpool.operator.render import TENANTS_MOUNT
+
+    docs = tenants_documents()
+    secret = docs["Secret"]
+    [(pool, spec)] = load_pools(TENANTS / "pool.yaml")
+    children = render(pool, NS, spec)
+    assert spec.router.auth is not None
+    assert spec.router.auth.secret_name == secret["metadata"]["name"]
+    assert spec.router.auth.key in secret["stringData"]
+    router = router_deployment(children)
+    pod = router["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [mount] = [
+        m for m in container(router, "router")["volumeMounts"] if m["mountPath"] == TENANTS_MOUNT
+    ]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    assert volumes[mount["name"]]["secret"]["secretName"] == secret["metadata"]["name"]
+    config = router_config_map(children)["data"]
+    assert config["KVPOOL_ROUTER_API_KEYS_FILE"] == f"{TENANTS_MOUNT}/{spec.router.auth.key}"
+    assert config["KVPOOL_ROUTER_SATURATION_TTFT_S"] == "2"
+    # the pool secret: made once by the operator, read by the router and the workers
+    made = find(children, "Secret", f"{pool}-pool-secret")
+    ref = {"secretKeyRef": {"name": made["metadata"]["name"], "key": "pool-secret"}}
+    assert env_of(container(router, "router"))["KVPOOL_ROUTER_POOL_SECRET"] == ref
+    assert set(workers(children)) == {"prefill", "decode"}
+    for role, deployment in workers(children).items():
+        assert env_of(container(deployment, "worker"))["KVPOOL_POOL_SECRET"] == ref, role
+    # the policies, and the scrapers the pool names instead of the default
+    policies = {c["metadata"]["name"]: c for c in children if c["kind"] == "NetworkPolicy"}
+    assert set(policies) == {f"{pool}-workers", f"{pool}-router"}
+    http_rule = policies[f"{pool}-workers"]["spec"]["ingress"][0]
+    monitoring = {"kubernetes.io/metadata.name": "monitoring"}
+    assert any(
+        (p.get("namespaceSelector") or {}).get("matchLabels") == monitoring
+        for p in http_rule["from"]
+    )
+    for obj in [secret, *children]:
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+    readme = (TENANTS / "README.md").read_text()
+    for name in ("tenants-secret.yaml", "pool.yaml"):
+        assert f"kubectl apply -f examples/tenants/{name}" in readme
+    assert "[`tenants/`](tenants/)" in (EXAMPLES / "README.md").read_text()
+
+
+def test_the_placeholder_keys_let_nobody_in_until_replaced() -> None:
+    """An unedited copy of the Secret is refused by the router (no key of it can be sent),
+    naming the tenant and the key's number, never its text; with real keys it is read."""
+    import secrets
+
+    from kvpool.router.tenants import TenantsError, parse_tenants
+
+    text = tenants_documents()["Secret"]["stringData"]["tenants.yaml"]
+    with pytest.raises(TenantsError) as refused:
+        parse_tenants(text)
+    assert "key #1" in str(refused.value) and "REPLACE" not in str(refused.value)
+    data = yaml.safe_load(text)
+    for tenant in data["tenants"]:
+        tenant["keys"] = [secrets.token_hex(32) for _ in tenant["keys"]]
+    tenants = {t.name: t for t in parse_tenants(yaml.safe_dump(data))}
+    assert tenants["chat"].priority == "high" and tenants["batch"].priority == "low"
+    assert tenants["ops"].admin and not tenants["chat"].admin
+
+
+def test_kvpool_check_passes_on_the_tenants_pool() -> None:
+    exe = shutil.which("kvpool", path=str(Path(sys.executable).parent)) or "kvpool"
+    path = str(TENANTS / "pool.yaml")
+    out = subprocess.run(
+        [exe, "check", path],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"{path}: InferencePool tiny-keys: valid" in out.stdout

@@ -183,7 +183,10 @@ def test_the_token_is_only_ever_a_reference_to_the_secret() -> None:
                     "name": "HF_TOKEN",
                     "valueFrom": {"secretKeyRef": {"name": SECRET, "key": "hf"}},
                 }
-        assert not [m for m in manifests if m["kind"] == "Secret"]
+        # the only Secret is the pool's own (its key made in the cluster): no token in it
+        secrets = [m for m in manifests if m["kind"] == "Secret"]
+        assert all(m["metadata"]["name"].endswith("-pool-secret") for m in secrets)
+        assert not [m for m in secrets if "data" in m or "stringData" in m]
     # and the spec has no place for a token itself
     with pytest.raises(ValueError, match="Extra inputs are not permitted"):
         validate_pool("p", spec(token=TOKEN))

@@ -8,6 +8,7 @@ only a real API server shows (field ownership, removal of fields no longer appli
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 from typing import Any
 
@@ -365,12 +366,14 @@ async def test_child_watches_carry_a_label_selector(kube: Kube) -> None:
         if params.get("watch") in ("true", "1") and "inferencepools" not in r.url.path:
             watched[r.url.path] = params.get("labelSelector")
     kinds = ["deployments", "services", "configmaps", "serviceaccounts", "roles",
-             "rolebindings", "poddisruptionbudgets"]  # fmt: skip
+             "rolebindings", "poddisruptionbudgets", "networkpolicies"]  # fmt: skip
     for kind in kinds:
         paths = [p for p in watched if p.endswith(f"/{kind}")]
         assert paths, f"no watch on {kind}"
         for path in paths:
             assert watched[path] == "app.kubernetes.io/managed-by=kvpool-operator", path
+    # The pool secret is made once and never restored: the operator watches no Secret.
+    assert not [p for p in watched if p.endswith("/secrets")], watched
 
 
 async def test_a_restarted_operator_says_it_resumed(kube: Kube) -> None:
@@ -477,3 +480,115 @@ async def test_a_field_dropped_from_the_spec_is_removed_from_the_child(kube: Kub
 
     await eventually(dropped, "nodeSelector removed from the decode pods")
     assert await replicas(kube, "tiny-decode") == 2
+
+
+# --- the pool secret: made once, never rewritten ------------------------------------------------
+
+SECRET = "tiny-pool-secret"
+
+
+async def pool_key(kube: Kube) -> str | None:
+    secret = await kube.child("Secret", SECRET)
+    if secret is None:
+        return None
+    return base64.b64decode(secret["data"]["pool-secret"]).decode()
+
+
+def secret_refs(deployment: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The secretKeyRefs of a Deployment's first container, by variable."""
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container.get("env", [])
+        if "secretKeyRef" in (e.get("valueFrom") or {})
+    }
+
+
+async def test_the_pool_secret_is_made_once_and_stays_through_reconciles(kube: Kube) -> None:
+    await kube.create_pool("tiny", POOL_SPEC)
+    await eventually(lambda: all_children_exist(kube, "tiny", POOL_SPEC), "every child")
+    await settled(kube, "tiny", 1)
+    secret = await kube.child("Secret", SECRET)
+    assert secret is not None
+    assert secret["immutable"] is True and secret["type"] == "Opaque"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-tiny"  # collected with it
+    key = await pool_key(kube)
+    assert key is not None and len(key) == 64  # 256 random bits, as hex
+    ref = {"name": SECRET, "key": "pool-secret"}
+    router = await kube.child("Deployment", "tiny-router")
+    assert router is not None and secret_refs(router) == {"KVPOOL_ROUTER_POOL_SECRET": ref}
+    for role in ("prefill", "decode"):
+        worker = await kube.child("Deployment", f"tiny-{role}")
+        assert worker is not None and secret_refs(worker) == {"KVPOOL_POOL_SECRET": ref}
+
+    # Spec changes and resyncs: the key is never written again, and a steady pool gets no
+    # write at all (NetworkPolicies and the Secret included).
+    await kube.change_spec("tiny", {"router": {"replicas": 2}})
+    await settled(kube, "tiny", 2)
+    await asyncio.sleep(2.5)  # a resync
+    since = len(kube.writes())
+    await asyncio.sleep(4.5)  # two more
+    assert child_writes(kube, since) == []
+    assert await pool_key(kube) == key
+    secret_writes = [w for w in kube.writes() if "/secrets" in w]
+    assert secret_writes == [f"POST /api/v1/namespaces/{NS}/secrets"], secret_writes
+
+
+async def test_a_deleted_pool_secret_is_made_again_with_a_new_key(kube: Kube) -> None:
+    """Deleting the Secret rotates the key (the pods read it when they restart)."""
+    await kube.create_pool("tiny", POOL_SPEC)
+    old = await eventually(lambda: pool_key(kube), "the pool secret")
+    await kube.delete_child("Secret", SECRET)
+    new = await eventually(lambda: pool_key(kube), "the pool secret again, at a resync")
+    assert new != old
+
+
+async def test_a_pool_secret_name_taken_by_another_is_left_alone(kube: Kube) -> None:
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": SECRET, "namespace": NS, "ownerReferences": [WIDGET_OWNER]},
+        "data": {"pool-secret": base64.b64encode(b"theirs").decode()},
+    }
+    r = await kube.http.post(kube.child_url("Secret"), json=theirs)
+    assert r.status_code in (200, 201), r.text
+    await kube.create_pool("tiny", POOL_SPEC)
+
+    async def already_owned() -> dict[str, Any] | None:
+        pool = await kube.pool("tiny")
+        return pool if condition(pool, "Degraded").get("reason") == "AlreadyOwned" else None
+
+    pool = await eventually(already_owned, "Degraded AlreadyOwned")
+    assert f"Secret {SECRET}" in condition(pool, "Degraded")["message"]
+    assert await pool_key(kube) == "theirs"
+    assert "theirs" not in str(pool), "a Secret's data in the status"
+    assert await kube.child("Deployment", "tiny-decode") is None  # nothing half-made
+
+
+async def test_naming_your_own_pool_secret_removes_the_made_one(kube: Kube) -> None:
+    await kube.create_pool("tiny", POOL_SPEC)
+    await eventually(lambda: pool_key(kube), "the pool secret")
+    await kube.change_spec("tiny", {"poolSecret": {"secretName": "mine", "key": "hmac"}})
+    await settled(kube, "tiny", 2)
+
+    async def gone() -> bool:
+        return await kube.child("Secret", SECRET) is None
+
+    await eventually(gone, "the operator's pool secret pruned")
+    router = await kube.child("Deployment", "tiny-router")
+    assert router is not None
+    assert secret_refs(router) == {"KVPOOL_ROUTER_POOL_SECRET": {"name": "mine", "key": "hmac"}}
+
+
+async def test_turning_network_policies_off_removes_them(kube: Kube) -> None:
+    await kube.create_pool("tiny", POOL_SPEC)
+    await eventually(lambda: kube.child("NetworkPolicy", "tiny-workers"), "the workers' policy")
+    await kube.change_spec("tiny", {"networkPolicy": {"enabled": False}})
+
+    async def gone() -> bool:
+        return (
+            await kube.child("NetworkPolicy", "tiny-workers") is None
+            and await kube.child("NetworkPolicy", "tiny-router") is None
+        )
+
+    await eventually(gone, "both NetworkPolicies pruned")

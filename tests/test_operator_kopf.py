@@ -47,6 +47,8 @@ CHILD_PATHS = {
     "Role": "/apis/rbac.authorization.k8s.io/v1",
     "RoleBinding": "/apis/rbac.authorization.k8s.io/v1",
     "PodDisruptionBudget": "/apis/policy/v1",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1",
+    "Secret": "/api/v1",
 }
 PLURALS = {
     "Deployment": "deployments",
@@ -56,6 +58,8 @@ PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
+    "Secret": "secrets",
 }
 
 POOL_SPEC: dict[str, Any] = {
@@ -316,8 +320,11 @@ async def test_a_child_deleted_or_edited_by_hand_is_restored(kube: Kube) -> None
     await eventually(lambda: all_children_exist(kube, "tiny", POOL_SPEC), "every child")
     await kube.delete_child("Service", "tiny-router")
     await kube.delete_child("Role", "tiny-router")
+    await kube.delete_child("NetworkPolicy", "tiny-workers")
     await eventually(lambda: kube.child("Service", "tiny-router"), "the Service back")
     await eventually(lambda: kube.child("Role", "tiny-router"), "the Role back")
+    # the workers' policy is watched too: back at once, not at the next resync
+    await eventually(lambda: kube.child("NetworkPolicy", "tiny-workers"), "the policy back")
 
     want = next(
         c for c in expected_children("tiny", POOL_SPEC)

@@ -21,6 +21,7 @@ from kvpool.operator.render import (
     GROUP_LABEL,
     ROLE_LABEL,
     Images,
+    Peers,
     merge_template,
     render,
     router_config,
@@ -52,6 +53,11 @@ SPECS: dict[str, dict[str, Any]] = {
         "disaggregation": {"mode": "Disaggregated"},
         "prefill": {"replicas": 1, "resources": GPU, **SCHEDULING},
         "decode": {"replicas": 3, "resources": GPU, **SCHEDULING},
+        "router": {
+            "auth": {"secretName": "llama-tenants"},
+            "flowControl": {"saturationTtftSeconds": 1.5, "queueMaxRequests": 2000},
+            "clientLimits": {"maxConnectionsPerClient": 64},
+        },
         "slo": SLO,
         "autoscaling": {
             "enabled": True,
@@ -63,6 +69,11 @@ SPECS: dict[str, dict[str, Any]] = {
         "model": {"name": "qwen2.5-7b", "source": {"image": {"path": "/models/qwen2.5-7b"}}},
         "engine": {"type": "vllm", "args": ["--gpu-memory-utilization", "0.9"], "hashSeed": "42"},
         "decode": {"replicas": 2, "resources": GPU},
+        "networkPolicy": {
+            "clientsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+            ]
+        },
     },
     "disaggregated-vllm": {
         "model": {
@@ -78,8 +89,23 @@ SPECS: dict[str, dict[str, Any]] = {
 }
 
 
+# The operator's pods, as the chart's defaults describe them (its settings' pod_namespace and
+# pod_selector): let through every pool's NetworkPolicies to scrape routers and workers.
+OPERATOR = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpool-system"}},
+    "podSelector": {
+        "matchLabels": {
+            "app.kubernetes.io/name": "kvpool",
+            "app.kubernetes.io/instance": "kvpool",
+            "app.kubernetes.io/component": "operator",
+        }
+    },
+}
+PEERS = Peers(operator=OPERATOR)
+
+
 def rendered(case: str) -> list[dict[str, Any]]:
-    return render(case, NS, validate_pool(case, SPECS[case]), Images())
+    return render(case, NS, validate_pool(case, SPECS[case]), Images(), PEERS)
 
 
 def by_kind(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -126,6 +152,9 @@ def test_an_aggregated_pool_has_one_worker_role_that_serves_whole_requests() -> 
             "Service/aggregated-kvpool-decode",
             "Deployment/aggregated-kvpool-decode",
             "PodDisruptionBudget/aggregated-kvpool-decode",
+            "NetworkPolicy/aggregated-kvpool-workers",
+            "NetworkPolicy/aggregated-kvpool-router",
+            "Secret/aggregated-kvpool-pool-secret",
         ]
     )
     decode = by_kind(children, "Deployment", "aggregated-kvpool-decode")
@@ -368,7 +397,12 @@ def test_pod_template_overrides_merge_containers_by_name_and_replace_other_lists
     assert names == ["worker", "sidecar"]
     worker = template["spec"]["containers"][0]
     assert worker["command"] == ["kvpool", "worker", "serve"]  # kept from the rendering
-    assert [e["name"] for e in worker["env"]] == ["POD_IP", "HF_HUB_OFFLINE", "EXTRA"]
+    assert [e["name"] for e in worker["env"]] == [
+        "POD_IP",
+        "HF_HUB_OFFLINE",
+        "KVPOOL_POOL_SECRET",
+        "EXTRA",
+    ]
 
 
 def test_merge_template_merges_named_lists_item_by_item() -> None:

@@ -368,7 +368,11 @@ def test_router_pod_template_affinity_and_pull_secrets_are_rendered() -> None:
     assert router["metadata"]["labels"]["kvpool.io/pool"] == "p"  # the selector's, kept
     [c] = router["spec"]["containers"]
     assert c["command"] == ["kvpool", "router", "serve"]
-    assert [e["name"] for e in c["env"]] == ["KVPOOL_ROUTER_NAMESPACE", "X"]
+    assert [e["name"] for e in c["env"]] == [
+        "KVPOOL_ROUTER_NAMESPACE",
+        "KVPOOL_ROUTER_POOL_SECRET",
+        "X",
+    ]
     for role in ("prefill", "decode"):
         pod = found[role]["spec"]["template"]["spec"]
         assert pod["imagePullSecrets"] == [{"name": "gpu-registry"}], role

@@ -153,18 +153,35 @@ class BuiltinSource(Spec):
     seed: int = Field(0, ge=0)
 
 
-def _matching(pattern: str, max_length: int, what: str, examples: str) -> Any:
-    """A string matching ``pattern`` (at most ``max_length`` long), refused with one message
-    that says what was expected, rather than the regex."""
+def _matching(
+    pattern: str,
+    max_length: int,
+    what: str,
+    examples: str,
+    *,
+    min_length: int = 1,
+    check: Any = None,
+) -> Any:
+    """A string matching ``pattern`` (``min_length`` to ``max_length`` long), refused with one
+    message that says what was expected, rather than the regex. ``check``: a further test
+    of the text (what a regex says badly, such as the length of a part)."""
     regex = re.compile(pattern)
 
-    def check(value: Any) -> str:
-        if isinstance(value, str) and len(value) <= max_length and regex.fullmatch(value):
+    def validate(value: Any) -> str:
+        if (
+            isinstance(value, str)
+            and min_length <= len(value) <= max_length
+            and regex.fullmatch(value)
+            and (check is None or check(value))
+        ):
             return value
         raise ValueError(f"not {what}: {value!r} (e.g. {examples})")
 
-    schema = {"type": "string", "minLength": 1, "maxLength": max_length, "pattern": pattern}
-    return Annotated[str, PlainValidator(check), WithJsonSchema(schema)]
+    schema: dict[str, Any] = {"type": "string"}
+    if min_length:
+        schema["minLength"] = min_length
+    schema |= {"maxLength": max_length, "pattern": pattern}
+    return Annotated[str, PlainValidator(validate), WithJsonSchema(schema)]
 
 
 # Object names (Secrets, claims) are DNS-1123 subdomains.
@@ -178,6 +195,15 @@ HFRepo = _matching(
 # A branch, a tag or a commit sha (a git ref name: no spaces, no leading '-' or '/').
 HFRevision = _matching(
     r"^[A-Za-z0-9_][A-Za-z0-9_.+/-]*$", 255, "a branch, tag or commit sha", "main, v1.0, a sha"
+)
+
+
+# A key of a Secret's data, which a volume turns into a file name (so never "." or "..").
+SecretKey = _matching(
+    r"^[-._a-zA-Z0-9]*[-_a-zA-Z0-9][-._a-zA-Z0-9]*$",
+    253,
+    "a Secret key",
+    "tenants.yaml, pool-secret",
 )
 
 
@@ -407,7 +433,85 @@ class RouterServiceSpec(Spec):
     port: int = Field(80, ge=1, le=65535)
 
 
-class RouterSpec(Spec):
+class RouterAuthSpec(Spec):
+    """Tenants and their API keys, from a Secret in the pool's namespace, mounted read-only
+    into the router. The router reads the file again when it changes (a mounted Secret is
+    updated in place), so keys are added, revoked and re-prioritised by editing the Secret,
+    without a restart. Each tenant has a name, its keys, a priority (high, normal, low), and
+    optionally requests_per_second, tokens_per_minute, ttft_slo_s and admin (``/debug/*``)."""
+
+    secret_name: ObjectName = Field(description="the Secret holding the tenants file")
+    key: SecretKey = Field("tenants.yaml", description="its key: a YAML or JSON tenants file")
+
+
+# The router settings each typed field of the router's spec stands for (router/settings.py).
+FLOW_CONTROL_SETTINGS = {
+    "enabled": "flow_control",
+    "saturation_ttft_seconds": "saturation_ttft_s",
+    "queue_max_requests": "queue_max_requests",
+    "queue_max_bytes": "queue_max_bytes",
+    "queue_timeout_seconds": "queue_timeout_s",
+}
+CLIENT_LIMIT_SETTINGS = {
+    "header_timeout_seconds": "header_timeout_s",
+    "body_timeout_seconds": "body_timeout_s",
+    "max_header_bytes": "max_header_bytes",
+    "max_connections_per_client": "max_connections_per_client",
+}
+# Router settings that router.settings (a ConfigMap) may not name: the Secrets' (never in
+# a ConfigMap) and those the typed fields set, so that one value has one place.
+RESERVED_ROUTER_SETTINGS = tuple(
+    to_camel(name)
+    for name in (
+        "api_keys_file",
+        "pool_secret",
+        *FLOW_CONTROL_SETTINGS.values(),
+        *CLIENT_LIMIT_SETTINGS.values(),
+    )
+)
+
+_RESERVED_CEL = "[" + ", ".join(f"'{k}'" for k in RESERVED_ROUTER_SETTINGS) + "]"
+
+
+class FlowControlSpec(Spec):
+    """What the router does when the pool is saturated (every eligible worker's predicted
+    time to first token is over the bound, or its decode guard trips): requests wait in
+    the router, in priority bands, fairly by tokens between tenants, in a queue bounded in
+    count and bytes; one whose deadline the wait would miss is refused at once. Unset
+    fields keep the router's defaults."""
+
+    enabled: bool | None = Field(None, description="router default: on")
+    saturation_ttft_seconds: float | None = Field(
+        None, gt=0, description="the predicted time to first token that counts as saturated"
+    )
+    queue_max_requests: int | None = Field(None, ge=0, description="requests waiting, at most")
+    queue_max_bytes: int | None = Field(None, ge=0, description="their bodies' bytes, at most")
+    queue_timeout_seconds: float | None = Field(None, gt=0, description="the longest wait")
+
+
+class ClientLimitsSpec(Spec):
+    """What one client may hold of the router: time to send its headers and its body, the
+    size of its headers, connections at once (per client address: behind a proxy or a
+    load balancer that does not keep the client's address, that is the proxy's). Unset
+    fields keep the router's defaults."""
+
+    header_timeout_seconds: float | None = Field(None, gt=0)
+    body_timeout_seconds: float | None = Field(None, gt=0)
+    max_header_bytes: int | None = Field(None, ge=1024)
+    max_connections_per_client: int | None = Field(None, ge=1)
+
+
+class RouterSpec(RuledSpec):
+    rules = (
+        Rule(
+            cel=f"!has(self.settings) || self.settings.all(k, !(k in {_RESERVED_CEL}))",
+            message="router.settings may not set apiKeysFile or poolSecret (Secrets: use"
+            " router.auth and poolSecret) nor what router.flowControl and router.clientLimits"
+            " set (" + ", ".join(RESERVED_ROUTER_SETTINGS[2:]) + ")",
+            check=lambda s: not set(s.settings) & set(RESERVED_ROUTER_SETTINGS),
+        ),
+    )
+
     replicas: int = Field(1, ge=1, le=100)
     image: str | None = Field(None, max_length=1024, description="default: the operator's")
     image_pull_policy: PullPolicy | None = None
@@ -421,6 +525,13 @@ class RouterSpec(Spec):
         description="other router settings by camelCase name, e.g. maxConcurrency: '512'",
     )
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
+    auth: RouterAuthSpec | None = Field(
+        None,
+        description="tenants and API keys (Authorization: Bearer), from a Secret; unset: the"
+        " router asks for no key, and whoever reaches it may use the whole pool",
+    )
+    flow_control: FlowControlSpec = Field(default_factory=FlowControlSpec)
+    client_limits: ClientLimitsSpec = Field(default_factory=ClientLimitsSpec)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[FreeForm] = Field(default_factory=list)
     affinity: FreeForm | None = None
@@ -432,6 +543,127 @@ class RouterSpec(Spec):
         description="a partial pod template merged over the router's"
         " (containers by name; the router container is named 'router')",
     )
+
+
+# --- who may reach the pool: network policies and the pool's secret -------------------------
+
+# Label keys ([prefix/]name) and values, as Kubernetes takes them.
+_LABEL_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
+_LABEL_PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+
+
+def _label_key_parts_fit(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return len(name) <= 63 and len(prefix) <= 253
+
+
+LabelKey = _matching(
+    f"^({_LABEL_PREFIX}/)?{_LABEL_NAME}$",
+    317,
+    "a label key",
+    "team, app.kubernetes.io/name",
+    check=_label_key_parts_fit,
+)
+LabelValue = _matching(f"^({_LABEL_NAME})?$", 63, "a label value", "prometheus", min_length=0)
+
+
+def _cidr(value: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+CIDR = _matching(r"^[0-9a-fA-F.:]+/[0-9]{1,3}$", 64, "a CIDR", "10.0.0.0/8, fd00::/8", check=_cidr)
+
+
+class LabelSelectorRequirement(RuledSpec):
+    rules = (
+        Rule(
+            cel="(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
+            message="values: some for In and NotIn, none for Exists and DoesNotExist",
+            check=lambda s: (s.operator in ("In", "NotIn")) == bool(s.values),
+        ),
+    )
+
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[LabelValue] = Field(default_factory=list, max_length=64)
+
+
+class LabelSelector(Spec):
+    """As in Kubernetes: every matchLabels entry and matchExpressions requirement must hold;
+    an empty selector selects everything."""
+
+    match_labels: dict[LabelKey, LabelValue] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=32)
+
+
+class IPBlock(Spec):
+    cidr: CIDR
+    except_: list[CIDR] = Field(
+        default_factory=list, alias="except", max_length=64, description="ranges left out of cidr"
+    )
+
+
+class NetworkPolicyPeer(RuledSpec):
+    """Who may connect, as in a NetworkPolicy's ``from``: pods (podSelector) in the pool's
+    namespace, or in the namespaces namespaceSelector selects ({} for all); or addresses
+    (ipBlock: for traffic from outside the cluster; pods are better told by labels)."""
+
+    rules = (
+        Rule(
+            cel="has(self.podSelector) || has(self.namespaceSelector) || has(self.ipBlock)",
+            message="a peer needs podSelector, namespaceSelector or ipBlock",
+            check=lambda s: any(
+                x is not None for x in (s.pod_selector, s.namespace_selector, s.ip_block)
+            ),
+        ),
+        Rule(
+            cel="!has(self.ipBlock) || !(has(self.podSelector) || has(self.namespaceSelector))",
+            message="a peer's ipBlock goes alone, without podSelector or namespaceSelector",
+            check=lambda s: (
+                s.ip_block is None or (s.pod_selector is None and s.namespace_selector is None)
+            ),
+        ),
+    )
+
+    pod_selector: LabelSelector | None = None
+    namespace_selector: LabelSelector | None = None
+    ip_block: IPBlock | None = None
+
+
+class NetworkPolicySpec(Spec):
+    """NetworkPolicies for the pool's pods (enforced where the cluster's network plugin
+    enforces them: Calico, Cilium, ...). Workers accept only the pool's routers (their HTTP
+    port, KV events, replay), the pool's other workers (KV pulls, disaggregated pools), the
+    metrics scrapers and the operator (HTTP port: /metrics is served there); the router
+    accepts clients on its port. Egress is left open."""
+
+    enabled: bool = True
+    metrics_from: list[NetworkPolicyPeer] | None = Field(
+        None,
+        max_length=32,
+        description="who scrapes the workers' and routers' /metrics; unset: the operator's"
+        " default (Prometheus pods, app.kubernetes.io/name=prometheus, in any namespace);"
+        " []: nobody but the operator",
+    )
+    clients_from: list[NetworkPolicyPeer] | None = Field(
+        None,
+        max_length=32,
+        description="who may reach the router's port (the metrics scrapers and the operator"
+        " too); unset: anyone, as API keys (router.auth) guard it",
+    )
+
+
+class PoolSecretSpec(Spec):
+    """A Secret of your own holding the pool secret, instead of the one the operator makes."""
+
+    secret_name: ObjectName
+    key: SecretKey = "pool-secret"
 
 
 # --- SLO and autoscaling --------------------------------------------------------------------
@@ -570,6 +802,12 @@ class InferencePoolSpec(RuledSpec):
             check=lambda s: not s.autoscaling.enabled or s.slo is not None,
         ),
         Rule(
+            cel=f"!has(self.poolSecret) || {_ENGINE} == 'kvpool'",
+            message="poolSecret is for kvpool workers (vLLM workers neither sign nor check"
+            " the prefill-to-decode hand-off)",
+            check=lambda s: s.pool_secret is None or s.engine.type == "kvpool",
+        ),
+        Rule(
             cel=f"!has(self.model.tokenizer) || {_ENGINE} == 'vllm'",
             message="model.tokenizer is for vllm workers (kvpool workers read the tokenizer"
             " from the model directory)",
@@ -585,6 +823,14 @@ class InferencePoolSpec(RuledSpec):
     router: RouterSpec = Field(default_factory=RouterSpec)
     slo: SLOSpec | None = None
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    pool_secret: PoolSecretSpec | None = Field(
+        None,
+        description="kvpool workers: the HMAC key the router and the workers share (signed"
+        " hand-offs, the workers' admin credential, the replay socket); unset: the operator"
+        " makes the Secret <pool>-pool-secret once, with a random key, and never rewrites it"
+        " (delete it to rotate the key, then restart the pool's pods)",
+    )
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
     def roles(self) -> dict[str, RoleSpec]:
         """The worker roles this pool runs, by name: decode always, prefill if disaggregated."""

@@ -121,6 +121,17 @@ cluster-wide (ClusterRole) or in each watched namespace (Role). Each rule says w
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Each pool's NetworkPolicies (who may reach its workers and its router): children like
+# the others, watched and restored.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The pool secret (the key a pool's router and kvpool workers share): created once, read to
+# know that it is there, listed and deleted by prune when a pool names a Secret of its own.
+# Never patched (the key never changes) and never watched.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "create", "delete"]
 # Pods: the autoscaler lists a pool's pods to scrape them (list), and each router's Role
 # grants pods list and watch, which Kubernetes lets only a holder of both grant.
 - apiGroups: [""]
@@ -140,4 +151,11 @@ CRD being installed or upgraded after the operator started).
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- end }}
+
+{{/*
+The label selector of the operator's pods, as k=v,k=v (its settings' pod_selector).
+*/}}
+{{- define "kvpool.podSelector" -}}
+{{- printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s,app.kubernetes.io/component=operator" (include "kvpool.name" .) .Release.Name }}
 {{- end }}
