@@ -134,6 +134,7 @@ class WorkerView:
     kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
     waiting: int | None = None  # scraped vllm:num_requests_waiting
     prefill: PrefillModel = field(default_factory=PrefillModel)
+    batch_capacity: int | None = None  # requests it runs at once, once seen queueing
 
 
 @dataclass(slots=True)
@@ -164,6 +165,7 @@ class Candidate:
     in_flight: int = 0
     kv_usage: float | None = None
     predicted_ttft_s: float | None = None
+    batch_capacity: int | None = None
     scores: dict[str, float] = field(default_factory=dict)  # scorer -> score in [0, 1]
     total: float | None = None
 
@@ -394,6 +396,7 @@ class Policy:
                 in_flight=w.in_flight,
                 kv_usage=w.kv_usage,
                 predicted_ttft_s=predicted_ttft(req, w),
+                batch_capacity=w.batch_capacity,
             )
             for w in workers
         }
@@ -466,30 +469,46 @@ class Policy:
         return "spill"  # a worker with more of the prefix was too busy
 
 
-def saturation(decision: Decision, bound_s: float) -> str | None:
+def saturation(
+    decision: Decision, bound_s: float, guard_kv_usage: float = PolicyConfig.guard_kv_usage
+) -> str | None:
     """Why the pool cannot take this request now without queueing it at a worker, or None.
 
-    Saturated means every worker that could serve it (healthy, of its role and model) is
-    either dropped by the decode-load guard (``guard``) or, with prompt tokens of earlier
-    requests still queued there, predicts a time to first token over ``bound_s``
-    (``ttft``): sending it anyway only lengthens a worker queue, where it
-    would wait behind everything already there, whatever its priority. A request no worker
-    could serve at all is not saturation (it gets its 503 at once)."""
-    eligible = [
-        c for c in decision.candidates if c.filtered is None or c.filtered.startswith("decode-load")
-    ]
-    if not eligible:
+    Saturated means every worker that could serve it (healthy, of its role and model)
+    would make it wait: its decode guard trips (``guard``: over the pool's in-flight bound,
+    or its KV cache at ``guard_kv_usage``; the filter itself never drops every worker, so
+    this asks it directly), or it predicts a time to first token over ``bound_s`` with
+    prompt tokens of earlier requests still queued, or its batch is full (``ttft``).
+    Sending it anyway only lengthens a worker's queue, where it would wait behind
+    everything already there, whatever its priority. A request no worker could serve at
+    all is not saturation (it gets its 503 at once)."""
+    why = []
+    for c in decision.candidates:
+        if c.filtered is not None and not c.filtered.startswith("decode-load"):
+            continue  # not eligible
+        if c.filtered is not None or (c.kv_usage is not None and c.kv_usage >= guard_kv_usage):
+            why.append("guard")
+        elif _full(c, bound_s):
+            why.append("ttft")
+        else:
+            return None  # this one can take it now
+    if not why:
         return None
-    if all(c.filtered is not None for c in eligible):
-        return "guard"
-    # A worker with nothing queued takes it whatever its prediction: a long prompt on an
-    # idle pool predicts a long TTFT that no amount of waiting would shorten.
-    if all(
-        c.filtered is not None or (c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s)
-        for c in eligible
-    ):
-        return "ttft"
-    return None
+    return "guard" if all(w == "guard" for w in why) else "ttft"
+
+
+def _full(c: Candidate, bound_s: float) -> bool:
+    """Whether a request sent to this worker now would wait there: behind prompt tokens
+    predicted to take over ``bound_s``, or for a place in its batch. The prediction sees
+    prefill work only; a worker whose batch is full (it was seen running ``batch_capacity``
+    requests with others waiting) queues a request however short its prompt. A worker with
+    nothing queued takes it whatever its prediction: a long prompt on an idle pool predicts
+    a long TTFT that no amount of waiting would shorten."""
+    if c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s:
+        return True
+    if c.batch_capacity is not None:
+        return c.in_flight >= c.batch_capacity + max(1, c.batch_capacity // 8)
+    return False
 
 
 # -- prefill/decode split ----------------------------------------------------------------

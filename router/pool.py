@@ -116,6 +116,9 @@ class WorkerState:
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
+    #: the most requests it was seen running while others waited: how many it takes at
+    #: once (vLLM's max_num_seqs, or what its KV cache holds); None until it queues
+    batch_capacity: int | None = None
     scraped_at: float | None = None
     itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
     itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
@@ -168,6 +171,7 @@ class WorkerState:
             waiting=None if self.waiting is None or not fresh else int(self.waiting),
             prefill=self.prefill,
             models=self.models,
+            batch_capacity=self.batch_capacity,
         )
 
     # -- a request's life on this worker --------------------------------------------------
@@ -642,6 +646,8 @@ class WorkerPool:
             state.kv_usage = values.get("vllm:kv_cache_usage_perc")
             state.waiting = values.get("vllm:num_requests_waiting")
             state.running = values.get("vllm:num_requests_running")
+            if state.waiting and state.running and state.waiting >= 1:
+                state.batch_capacity = max(state.batch_capacity or 0, int(state.running))
             state.scraped_at = time.monotonic()
             self._learn_itl(state, values)
 

@@ -289,7 +289,8 @@ class Router:
             return None  # only its own worker has what it continues: no choice to wait for
         plan = self._plan(routed, dry_run=True)
         decision = plan.prefill if plan.prefill is not None else plan.decode
-        return saturation(decision, self.settings.saturation_ttft_s)
+        guard = self.planner.aggregated.config.guard_kv_usage
+        return saturation(decision, self.settings.saturation_ttft_s, guard)
 
     def _pool(self) -> WorkerPool:
         if self.pool is None:

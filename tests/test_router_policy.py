@@ -18,6 +18,7 @@ from kvpool.router.policy import (
     SplitConfig,
     WorkerView,
     decode_policy_config,
+    saturation,
 )
 
 CFG = PolicyConfig()
@@ -361,3 +362,30 @@ def test_the_decode_leg_keeps_affinity_and_its_weight() -> None:
     plan = planner.plan(r, ws)
     assert plan.path == "disaggregated" and plan.prefill.worker == "p"
     assert {planner.decode_decision(r, ws).worker for _ in range(20)} == {"d1"}
+
+
+# -- saturation (flow control's trigger) ------------------------------------------------------
+
+
+def test_the_pool_is_saturated_only_when_every_eligible_worker_would_queue_the_request() -> None:
+    policy = Policy(CFG)
+    slow = PrefillModel(rate=1000.0, overhead=0.0)  # 1000 prompt tokens a second
+    # Both workers hold 3 s of prompt tokens: over a 2 s bound.
+    busy = workers(2, queued_tokens=3000, prefill=slow)
+    assert saturation(policy.decide(req(100), busy), 2.0) == "ttft"
+    # One of them has room: not saturated.
+    one_free = [busy[0], WorkerView(id="w1", prefill=slow)]
+    assert saturation(policy.decide(req(100), one_free), 2.0) is None
+    # A long prompt on an idle pool predicts a long TTFT, but waiting would not help.
+    idle = workers(2, prefill=slow)
+    assert saturation(policy.decide(req(10_000), idle), 2.0) is None
+    # A full batch queues even a short prompt; a worker never seen queueing has no bound.
+    full = workers(2, in_flight=9, batch_capacity=8)
+    assert saturation(policy.decide(req(100), full), 2.0) == "ttft"
+    assert saturation(policy.decide(req(100), workers(2, in_flight=9)), 2.0) is None
+    # Down or other-model workers are not eligible: no saturation, an honest 503.
+    down = workers(2, healthy=False, queued_tokens=3000, prefill=slow)
+    assert saturation(policy.decide(req(100), down), 2.0) is None
+    # Every worker over its decode guard.
+    hot = workers(2, kv_usage=0.99)
+    assert saturation(policy.decide(req(100), hot), 2.0) == "guard"
