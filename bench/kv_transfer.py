@@ -7,7 +7,8 @@ chunks of ``kv_transfer.CHUNK_BYTES`` (8 MiB: 8 blocks). Each repeat:
 
 * pull: a fresh prefill leg (``do_remote_decode``, max_tokens 1) on the prefill worker,
   then ``GET /kv/{id}`` timed end to end with ``pull_blocks``, the decode worker's own
-  client code; then the DELETE that releases the pin. Goal: >= 200 MB/s (median).
+  client code, presenting the hand-off's one-time token (``kvpool_token``); the pull uses
+  the token up and releases the pin. Goal: >= 200 MB/s (median).
 * baseline, same run: the same bytes, in the same transfer format and chunks, from a
   minimal asyncio server holding them in memory, read by the same ``pull_blocks`` (what
   the client and loopback cost with no server-side work).
@@ -20,6 +21,10 @@ chunks of ``kv_transfer.CHUNK_BYTES`` (8 MiB: 8 blocks). Each repeat:
 A breakdown says where the time goes: the time to the parsed header of a pull, and
 ``read_blocks`` (chunk by chunk, as the prefill worker reads them) and ``import_blocks``
 of a whole prompt's blocks on an engine in this process, without HTTP.
+
+Both workers share a pool secret (``KVPOOL_POOL_SECRET``, random per run): without one a
+prefill worker refuses ``do_remote_decode`` and a decode worker honours no
+``kv_transfer_params``, since it signs and verifies the hand-off.
 
 Writes bench/results/kv_transfer.{md,json}.
 """
@@ -34,6 +39,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -198,6 +204,12 @@ def kv_url(params: dict) -> str:
     )
 
 
+def kv_auth(params: dict) -> dict[str, str]:
+    """The hand-off's one-time token, as a pull presents it (a raw GET uses it up: the
+    same params cannot then be given to a decode worker)."""
+    return {"Authorization": f"Bearer {params['kvpool_token']}"}
+
+
 def scrape(text: str) -> dict[str, float]:
     """The decode worker's hand-off series, summed over label sets."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -217,7 +229,7 @@ def scrape(text: str) -> dict[str, float]:
     return out
 
 
-async def time_to_header(client: Any, url: str) -> float:
+async def time_to_header(client: Any, url: str, headers: dict[str, str]) -> float:
     """Seconds from sending ``GET /kv`` to a parsed transfer header (the body is read to
     its end, as a pull would)."""
     from kvpool.worker.kv_transfer import _parse_header
@@ -225,7 +237,9 @@ async def time_to_header(client: Any, url: str) -> float:
     buf = bytearray()
     start = time.perf_counter()
     header_at = None
-    async with client.stream("GET", url, timeout=120) as response:
+    async with client.stream("GET", url, timeout=120, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code}")
         async for piece in response.aiter_raw():
             if header_at is None:
                 buf += piece
@@ -289,12 +303,14 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
     raw = [ME, "--raw-server", str(r_port), fake.encode().hex(), str(fake.body_bytes), str(chunk)]
     serve = [sys.executable, ME, "--worker", "serve", *common]
     kv_trace = tmp / "kv_trace.log"
+    # the pool's secret: the workers sign and verify hand-offs with it (never on a command line)
+    env = {**os.environ, "KVPOOL_POOL_SECRET": secrets.token_hex(16)}
     with (
-        process([*serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log") as p,
+        process([*serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log", env) as p,
         process(
             [*serve, "--role", "decode", "--port", str(d_port)],
             tmp / "d.log",
-            {**os.environ, "KVPOOL_BENCH_KV_TRACE": str(kv_trace)},
+            {**env, "KVPOOL_BENCH_KV_TRACE": str(kv_trace)},
         ) as d,
         process([sys.executable, *raw], tmp / "r.log"),
     ):
@@ -310,10 +326,11 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                 """A fresh prefill, then its pull; (header, bytes, prefill s, pull s)."""
                 params, prefill_s = await prefill_leg(client, prefill_url, prompt())
                 start = time.perf_counter()
-                header, data = await pull_blocks(client, kv_url(params), timeout=120)
+                header, data = await pull_blocks(
+                    client, kv_url(params), timeout=120, headers=kv_auth(params)
+                )
                 pull_s = time.perf_counter() - start
-                await client.delete(kv_url(params))
-                return header, len(data), prefill_s, pull_s
+                return header, len(data), prefill_s, pull_s  # the pull released the pin
 
             # warm up: first-call costs of the workers, the client and the raw server
             await pull()
@@ -371,8 +388,7 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
             header_s = []
             for _ in range(args.breakdown_repeats):
                 params, _ = await prefill_leg(client, prefill_url, prompt())
-                header_s.append(await time_to_header(client, kv_url(params)))
-                await client.delete(kv_url(params))
+                header_s.append(await time_to_header(client, kv_url(params), kv_auth(params)))
     return {"runs": r, "bytes": nbytes, "blocks": len(header.block_hashes), "header_s": header_s}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -34,9 +35,20 @@ __all__ = [
     "start_span",
     "tracer",
     "use_provider",
+    "wall_ns",
 ]
 
 _tracer: Any = None  # an opentelemetry Tracer while tracing is on
+_own_provider: Any = None  # the provider configure() made (shut down when replaced)
+
+#: wall clock minus monotonic clock, taken once: engines time requests on the monotonic
+#: clock, spans want nanoseconds since the epoch
+_MONOTONIC_TO_WALL_NS = time.time_ns() - time.monotonic_ns()
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A ``time.monotonic()`` reading as nanoseconds since the epoch (a span's time)."""
+    return int(monotonic_s * 1e9) + _MONOTONIC_TO_WALL_NS
 
 
 def tracer() -> Any:
@@ -59,11 +71,12 @@ def _wanted(env: Mapping[str, str]) -> str | None:
 def configure(service_name: str, env: Mapping[str, str] | None = None) -> bool:
     """Turn tracing on if the environment asks for it; True if it is on. A component calls
     this once at start-up; a bad setting is logged and leaves tracing off, never stops the
-    component."""
-    global _tracer
+    component. Once on, it stays as it is: several components in one process (a simulated
+    fleet, a test) share the first one's provider."""
+    global _own_provider
     env = os.environ if env is None else env
     exporter_name = _wanted(env)
-    if exporter_name is None:
+    if exporter_name is None or _tracer is not None:
         return _tracer is not None
     try:
         from opentelemetry.sdk.resources import Resource
@@ -95,6 +108,7 @@ def configure(service_name: str, env: Mapping[str, str] | None = None) -> bool:
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     use_provider(provider)
+    _own_provider = provider
     log.info("tracing on: %s exporter, service %s", exporter_name, service_name)
     return True
 
@@ -102,7 +116,10 @@ def configure(service_name: str, env: Mapping[str, str] | None = None) -> bool:
 def use_provider(provider: Any | None) -> None:
     """Trace through this provider (tests pass one with an in-memory exporter); None turns
     tracing off again."""
-    global _tracer
+    global _tracer, _own_provider
+    if _own_provider is not None and _own_provider is not provider:
+        old, _own_provider = _own_provider, None
+        old.shutdown()  # flushes what it holds and ends its export thread
     _tracer = None if provider is None else provider.get_tracer("kvpool")
 
 
@@ -156,10 +173,12 @@ def record_span(
     attributes: Mapping[str, Any] | None = None,
     *,
     context: Any = None,
+    error: str | None = None,
 ) -> Any:
     """A span of something already over (a worker's queue, prefill or decode phase, timed by
-    the engine): started and ended at the times given. Returns the span (None when off), so
-    it can be the parent of others through ``set_span_in_context``."""
+    the engine): started and ended at the times given, marked as an error with ``error``'s
+    text. Returns the span (None when off), the parent of others through
+    :func:`child_context`."""
     if _tracer is None:
         return None
     s = _tracer.start_span(
@@ -168,6 +187,10 @@ def record_span(
         attributes=dict(attributes) if attributes else None,
         start_time=start_ns,
     )
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        s.set_status(Status(StatusCode.ERROR, error))
     s.end(end_time=max(end_ns, start_ns))
     return s
 

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
-from kvpool.http_limits import HttpLimits, guarded_protocol
+from kvpool.httpguard import BodyError, HttpLimits, guarded_protocol, read_body
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat_text
 
@@ -598,31 +598,16 @@ class Router:
         return Response(status_code=499)  # nobody reads it; logs show why it ended
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.settings.max_request_body_bytes
-        declared = request.headers.get("content-length")
-        size = int(declared) if declared is not None and declared.isdigit() else 0
-        body = bytearray()
-        if size <= limit:
-            try:
-                async with asyncio.timeout(self.settings.body_timeout_s):
-                    async for chunk in request.stream():
-                        body += chunk
-                        if len(body) > limit:
-                            size = len(body)
-                            break
-            except TimeoutError:
-                raise OpenAIError(
-                    408,
-                    f"the request body did not arrive within {self.settings.body_timeout_s:g} s",
-                    code="request_timeout",
-                ) from None
-        if size > limit or len(body) > limit:
-            raise OpenAIError(
-                413,
-                f"the request body has at least {max(size, len(body))} bytes; the limit is {limit}",
-                code="request_too_large",
+        """The body, read within ``body_timeout_s`` and ``max_request_body_bytes`` (a
+        Content-Length over the limit is refused before anything is read)."""
+        try:
+            return await read_body(
+                request,
+                limit_bytes=self.settings.max_request_body_bytes,
+                timeout_s=self.settings.body_timeout_s,
             )
-        return bytes(body)
+        except BodyError as exc:
+            raise OpenAIError(exc.status, str(exc), code=exc.code) from None
 
     def _request_id(self, request: Request) -> str:
         """The client's ``X-Request-Id`` (passed to the worker, logged), checked here: a
@@ -917,12 +902,15 @@ class Router:
             limit = now + s.first_token_timeout_s if routed.stream else deadline
             if routed.admitted is not None:
                 routed.admitted.sent = True
+            # The attempt's span lasts as long as the attempt: a stream's, to its end.
+            span = tracing.start_span(
+                "kvpool.router.upstream",
+                {"kvpool.worker": state.id, "kvpool.attempt": attempt_no + 1},
+            )
+            span_error: str | None = "cancelled"
             try:
                 extra = {DP_RANK_HEADER: str(rank)} if rank is not None else {}
-                with tracing.span(
-                    "kvpool.router.upstream",
-                    {"kvpool.worker": state.id, "kvpool.attempt": attempt_no + 1},
-                ):
+                with tracing.activated(span):
                     tracing.inject(extra)  # the worker's spans join this trace
                     resp = await self._send(
                         state,
@@ -950,8 +938,10 @@ class Router:
                     state.end(ticket)
                     raise
                 exc = failure
+                span_error = str(failure)
             except _Failed as failed:
                 exc = failed
+                span_error = str(failed)
             except BaseException:
                 state.end(ticket)
                 raise
@@ -961,9 +951,14 @@ class Router:
                     suspect.breaker.on_failure(time.monotonic())
                 if routed.session:
                     self.sessions.remember(routed.session, state.id)
+                if isinstance(response, _RelayResponse):
+                    response.relay.span, span = span, None  # it ends with the stream
+                span_error = None
                 return response
             finally:
                 state.attempts.discard(attempt)
+                if span is not None:
+                    tracing.end_span(span, span_error)
             state.end(ticket)
             pool.withdraw(state.id, speculated, rank)
             last = exc
@@ -1319,6 +1314,7 @@ class _Relay:
     count_usage: bool = True
     outcome: str = "cancelled"
     closed: bool = False
+    span: Any = None  # the attempt's trace span, ended with the stream
     head: bytes = b""
     last_token: float | None = None
     _chunks: Any = None
@@ -1367,6 +1363,7 @@ class _Relay:
         else:  # closed mid-answer: the worker sees it and aborts the request
             self.resp.close()
         self.state.end(self.ticket)
+        tracing.end_span(self.span, None if self.outcome == "success" else self.outcome)
         admitted = self.routed.admitted
         if admitted is not None:
             admitted.usage = self.events.usage

@@ -183,7 +183,10 @@ class Image:
 
 
 IMAGES = {
-    "router": Image("router/Dockerfile", Images().router, "router", ("router", "serve"), None),
+    # the router and workers carry the tracing extra: OTEL_* variables turn it on
+    "router": Image(
+        "router/Dockerfile", Images().router, "router,tracing", ("router", "serve"), None
+    ),
     "operator": Image(
         "operator/Dockerfile",
         f"{REGISTRY}/kvpool-operator:{VERSION}",  # the Helm chart's default
@@ -191,11 +194,13 @@ IMAGES = {
         ("operator", "run"),
         None,
     ),
-    "worker": Image("worker/Dockerfile", Images().worker, "worker", ("worker", "serve"), ""),
+    "worker": Image(
+        "worker/Dockerfile", Images().worker, "worker,tracing", ("worker", "serve"), ""
+    ),
     "worker-cpu": Image(
         "worker/Dockerfile.cpu",
         Images().worker_cpu,
-        "worker",
+        "worker,tracing",
         ("worker", "serve"),
         TORCH_CPU_INDEX,
     ),

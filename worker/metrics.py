@@ -181,17 +181,22 @@ class RequestTimer:
     def __init__(self, metrics: WorkerMetrics, arrival: float) -> None:
         self.metrics = metrics
         self.arrival = arrival
+        self.first: float | None = None  # when its first token came
         self.last: float | None = None
+        self.end: float | None = None  # when its last output came
+        self.finish_reason: str | None = None
 
     def observe(self, output: RequestOutput, at: float) -> None:
         m = self.metrics
         if output.new_token_ids:
             if self.last is None:
                 m.ttft.observe(at - self.arrival)
+                self.first = at
             else:
                 m.itl.observe((at - self.last) / len(output.new_token_ids))
             self.last = at
         if output.finished:
+            self.end, self.finish_reason = at, output.finish_reason
             m.e2e.observe(at - self.arrival)
             m.request_prompt_tokens.observe(output.num_prompt_tokens)
             m.request_generation_tokens.observe(output.num_output_tokens)

@@ -13,6 +13,7 @@ finds them again) and it returns to the head of the queue to be recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -120,6 +121,8 @@ class Scheduler:
                 self.stats.prefix_cache_queries += seq.num_prompt_tokens
                 self.stats.prefix_cache_hits += computed
                 self.stats.prompt_tokens += seq.num_prompt_tokens
+                if seq.traced:  # its queue span ends here (no clock read when tracing is off)
+                    seq.scheduled_at = time.monotonic()
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -88,6 +88,8 @@ class Sequence:
     output_text: str = ""
     token_seed: int = 0  # the simulated engine's output tokens derive from it
     pin_blocks: bool = False  # a prefill for a decode worker: keep its blocks when done
+    traced: bool = False  # tracing is on: note when it is first scheduled
+    scheduled_at: float | None = None  # time.monotonic() of its first admission, if traced
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,10 @@ pool's own workers; the prefill side hands its pinned blocks only to whoever pre
 hand-off's one-time token; ``/drain``, ``/undrain`` and ``/reset_prefix_cache`` need the
 admin token; the KV event sockets need the pool's event credential. Without a pool secret
 a worker refuses hand-offs and answers admin requests from loopback only.
+
+With tracing on (``OTEL_*``, :mod:`kvpool.tracing`) each generation request continues the
+trace its ``traceparent`` names and, once over, records its queue, prefill and decode spans
+from times the engine took anyway; with tracing off a request pays one ``None`` test.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpool import __version__
+from kvpool import __version__, tracing
 from kvpool.hashing import HASH_ALGORITHM
+from kvpool.httpguard import HttpLimits, guarded_protocol
 from kvpool.kv_events import EventPublisher
 from kvpool.openai_api import (
     ChatCompletionRequest,
@@ -111,6 +116,15 @@ def default_engine_factory(settings: WorkerSettings) -> EngineFactory:
 
 
 @dataclass
+class _Trace:
+    """What a traced job's spans need beyond what the job keeps anyway."""
+
+    context: Any  # the caller's trace context (from traceparent), or None: a new trace
+    submitted: float = 0.0  # time.monotonic() when its requests went to the engine
+    kv_pull: tuple[float, float, int | None] | None = None  # start, end, blocks stored
+
+
+@dataclass
 class _Job:
     """One HTTP generation request: its engine requests and how to answer."""
 
@@ -127,6 +141,8 @@ class _Job:
     outputs: asyncio.Queue[TimedOutput] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)  # engine requests still running
     done: bool = False  # its accounting (in flight, queued tokens) is settled
+    timers: list[RequestTimer] = field(default_factory=list)  # per choice, once read
+    trace: _Trace | None = None  # tracing is on
 
 
 class WorkerServer:
@@ -163,6 +179,7 @@ class WorkerServer:
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self) -> None:
         self._idle.set()
+        tracing.configure("kvpool-worker")
         if self._secret is None:
             log.warning(
                 "no pool secret (--pool-secret): prefill/decode hand-offs are refused, admin "
@@ -598,9 +615,10 @@ class WorkerServer:
     # -- KV hand-off: the decode side ----------------------------------------------------
     async def _pull_remote_prefill(
         self, prepared: PreparedRequest, transfer: KVTransferParams
-    ) -> None:
+    ) -> int | None:
         """Fetch a prefill worker's blocks into this cache; on any failure, log and count
-        it, and let the request compute its prefill here."""
+        it, and let the request compute its prefill here. Returns how many blocks are
+        cached, or None after a failure."""
         engine, loop, metrics = self._ready()
         host = transfer.remote_host or ""
         if ":" in host and not host.startswith("["):
@@ -631,6 +649,7 @@ class WorkerServer:
             metrics.kv_pull_seconds.observe(time.monotonic() - start)
             metrics.transferred("received", len(header.block_hashes), len(data))
             log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
+            return stored
         except Exception as exc:  # whatever went wrong, the answer can still be computed here
             metrics.kv_transfer_fallbacks.inc()
             log.warning(
@@ -639,6 +658,7 @@ class WorkerServer:
                 exc,
                 exc_info=not isinstance(exc, TransferError | ValueError),
             )
+            return None
         finally:
             asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
 
@@ -726,6 +746,10 @@ class WorkerServer:
             logprobs=logprobs,
             transfer=transfer,
         )
+        if tracing.tracer() is not None:
+            job.trace = _Trace(tracing.extract(request.headers))
+            for p in prepared:
+                p.seq.traced = True
         self._admit(job, metrics)
         try:
             await self._start(job)
@@ -923,6 +947,87 @@ class WorkerServer:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+        if job.trace is not None:
+            try:
+                self._record_trace(job, job.trace)
+            except Exception:  # a trace is never worth a request
+                log.exception("request %s: recording its trace failed", job.id)
+
+    def _record_trace(self, job: _Job, trace: _Trace) -> None:
+        """The job's spans, now that it is over: ``kvpool.worker.request`` (arrival to
+        end) under the caller's span, and under it each choice's queue (sent to the engine
+        to first scheduled), prefill (to its first token) and decode (to its end), plus the
+        KV pull of a decode leg. Times are the engine's own (its outputs' stamps)."""
+        now = time.monotonic()
+        wall = tracing.wall_ns
+        many = len(job.prepared) > 1
+        phases: list[tuple[str, float, float, dict[str, Any]]] = []
+        reasons: list[str] = []
+        totals = {"kvpool.prompt_tokens": 0, "kvpool.cached_tokens": 0, "kvpool.output_tokens": 0}
+        ends: list[float] = []
+        for i, prepared in enumerate(job.prepared):
+            seq = prepared.seq
+            timer = job.timers[i] if job.timers else None
+            first = timer.first if timer is not None else None
+            if timer is not None and timer.end is not None:
+                choice_end, reason = timer.end, timer.finish_reason or "stop"
+            else:  # its client left, or it never reached the engine
+                choice_end, reason = now, "abort"
+            ends.append(choice_end)
+            reasons.append(reason)
+            counts = {
+                "kvpool.prompt_tokens": seq.num_prompt_tokens,
+                "kvpool.cached_tokens": seq.num_cached_tokens,
+                "kvpool.output_tokens": seq.num_output_tokens,
+            }
+            for k, v in counts.items():
+                totals[k] += v
+            label = {"kvpool.choice": i} if many else {}
+            queued = trace.submitted or job.arrival
+            scheduled = seq.scheduled_at
+            if scheduled is None:  # ended before the engine got to it
+                phases.append(("kvpool.worker.queue", queued, choice_end, label))
+                continue
+            phases.append(("kvpool.worker.queue", queued, scheduled, label))
+            prefill = {
+                **label,
+                "kvpool.prompt_tokens": seq.num_prompt_tokens,
+                "kvpool.cached_tokens": seq.num_cached_tokens,
+            }
+            phases.append(("kvpool.worker.prefill", scheduled, first or choice_end, prefill))
+            if first is not None:
+                decode = {**label, "kvpool.output_tokens": seq.num_output_tokens}
+                phases.append(("kvpool.worker.decode", first, choice_end, decode))
+        distinct = sorted(set(reasons))
+        parent = tracing.record_span(
+            "kvpool.worker.request",
+            wall(job.arrival),
+            wall(max(ends, default=now)),
+            {
+                "kvpool.request_id": job.id.split("-", 1)[1],
+                "kvpool.model": self.model_name,
+                "kvpool.role": self.settings.role,
+                "kvpool.kind": job.kind,
+                "kvpool.stream": job.stream,
+                "kvpool.finish_reason": ",".join(distinct),
+                **totals,
+            },
+            context=trace.context,
+            error="the engine failed while running this request" if "error" in distinct else None,
+        )
+        under = tracing.child_context(parent)
+        if trace.kv_pull is not None:
+            start, stop, stored = trace.kv_pull
+            tracing.record_span(
+                "kvpool.worker.kv_pull",
+                wall(start),
+                wall(stop),
+                {"kvpool.blocks": stored or 0},
+                context=under,
+                error=None if stored is not None else "the pull failed; prefill computed here",
+            )
+        for name, start, stop, attributes in phases:
+            tracing.record_span(name, wall(start), wall(stop), attributes, context=under)
 
     def _prefilled(self, job: _Job, prepared: PreparedRequest) -> None:
         n = min(job.queued_tokens, len(prepared.prompt_token_ids))
@@ -933,10 +1038,18 @@ class WorkerServer:
         """Hand the job's requests to the engine now (a decode leg pulls its prefill first),
         so the engine works while the response is being set up."""
         _, loop, _ = self._ready()
+        trace = job.trace
         for i, prepared in enumerate(job.prepared):
             t = job.transfer
             if t is not None and t.do_remote_prefill:
-                await self._pull_remote_prefill(prepared, t)
+                if trace is None:
+                    await self._pull_remote_prefill(prepared, t)
+                else:
+                    start = time.monotonic()
+                    stored = await self._pull_remote_prefill(prepared, t)
+                    trace.kv_pull = (start, time.monotonic(), stored)
+            if trace is not None and not trace.submitted:
+                trace.submitted = time.monotonic()
             job.unfinished.add(prepared.request_id)
             loop.submit(prepared, job.outputs, i)
 
@@ -944,7 +1057,7 @@ class WorkerServer:
         """All the job's engine outputs as they come, tagged with their choice index. A
         reader that stops early aborts the requests still running."""
         _, _, metrics = self._ready()
-        timers = [RequestTimer(metrics, job.arrival) for _ in job.prepared]
+        timers = job.timers = [RequestTimer(metrics, job.arrival) for _ in job.prepared]
         started = [False] * len(job.prepared)
         try:
             while job.unfinished:
@@ -1238,6 +1351,9 @@ def uvicorn_server(
         timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
         access_log=False,
         lifespan="on",
+        # header time and size limits; connections per address effectively unlimited:
+        # every request comes from the pool's few routers, whose pools are unbounded
+        http=guarded_protocol(HttpLimits(max_connections_per_client=2**20)),
     )
     return _Uvicorn(config, worker, own_signals)
 
