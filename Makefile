@@ -43,6 +43,12 @@ bench: install
 	$(PY) bench/sim_fleet.py
 	$(PY) bench/routing.py
 	$(PY) bench/router_overhead.py
+	$(PY) bench/flow_control.py
+
+# A tenant's TTFT while another floods the pool, with flow control, without, and alone;
+# priority bands under the same flood.
+bench-flow-control: install
+	$(PY) bench/flow_control.py
 
 # Routing quality on 8 simulated workers: kvpool's policy, the baselines and the SGLang router.
 bench-routing: install

@@ -269,6 +269,9 @@ class WorkerInfo(BaseModel):
     kv_events: KVEventsInfo | None = None
     kv_transfer_engine_id: str
     version: str
+    #: the most requests it runs at once (its scheduler's ``max_num_seqs``): a router knows
+    #: from the start when its batch is full, not only once it has been seen queueing
+    max_num_seqs: int | None = Field(None, ge=1)
 
 
 def parse_request(model: type[M], body: bytes) -> M:

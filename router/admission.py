@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 #: how often the dispatcher looks again at a saturated pool while requests wait (the
 #: predictions change as first tokens come back, which sends no signal of its own)
 DISPATCH_POLL_S = 0.01
+#: the longest the dispatcher waits for a request it let go to reach a worker before it
+#: asks about the next one (it is a few function calls away: routing, then its ticket)
+PLACE_WAIT_S = 0.2
 #: what a waiting request holds besides its body: its token ids and block keys
 BYTES_PER_TOKEN = 48
 
@@ -62,6 +65,8 @@ class Pass:
     slot: bool = False  # it counts against the router's concurrency bound
     reservation: Any = None  # tokens reserved from the tenant's tokens-per-minute bucket
     sent: bool = False  # some worker got it
+    #: set once its load counts at a worker (its ticket began), or it ended without one
+    placed: asyncio.Event = field(default_factory=asyncio.Event)
     usage: dict[str, Any] | None = None
     #: x-ratelimit-* headers for the answer
     headers: dict[str, str] = field(default_factory=dict)
@@ -69,6 +74,12 @@ class Pass:
     error: str | None = None
     outcome: str | None = None  # how admission ended it: rate_limited or shed
     done: bool = False
+
+    def on_worker(self) -> None:
+        """A worker has it now, and its load counts there: the dispatcher may ask about
+        the next request."""
+        self.sent = True
+        self.placed.set()
 
 
 class Gate:
@@ -92,6 +103,7 @@ class Gate:
             clock=clock,
         )
         self.active = 0
+        self.saturated_by: str | None = None  # why the pool was saturated when last asked
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
         self._reloader: asyncio.Task[None] | None = None
@@ -234,12 +246,12 @@ class Gate:
             self._take(p, band, cost)
             return
         # Behind those already waiting (fairness), or alone with the pool saturated.
-        why = "queued" if len(self.queue) else self._saturated(routed)
-        if why is None:
+        why = self.saturated_by if len(self.queue) else self._saturated(routed)
+        if why is None and not len(self.queue):
             self._take(p, band, cost)
             return
-        if why != "queued":
-            self.metrics.saturated.labels(why).inc()
+        # Every request that waits is counted, with why the pool last refused one.
+        self.metrics.saturated.labels(why or "ttft").inc()
         now = self.clock()
         limit = s.queue_timeout_s
         try:
@@ -289,8 +301,12 @@ class Gate:
 
     def _saturated(self, routed: Any) -> str | None:
         if self.active >= self.settings.max_concurrency:
-            return "concurrency"
-        return self.saturation(routed)
+            why: str | None = "concurrency"
+        else:
+            why = self.saturation(routed)
+        if why is not None:
+            self.saturated_by = why
+        return why
 
     def _take(self, p: Pass, band: Band, cost: int) -> None:
         p.slot = True
@@ -330,6 +346,11 @@ class Gate:
                 p.slot = True
                 self.active += 1
                 entry.future.set_result(None)
+                # Its load must count at its worker before the next saturation check, or
+                # one moment of room would let the whole queue through at once.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(PLACE_WAIT_S):
+                        await p.placed.wait()
             if not len(self.queue):
                 return
             with contextlib.suppress(TimeoutError):
@@ -344,6 +365,7 @@ class Gate:
         if p.done:
             return
         p.done = True
+        p.placed.set()
         if p.slot:
             self.active -= 1
             if len(self.queue):

@@ -134,7 +134,8 @@ class WorkerView:
     kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
     waiting: int | None = None  # scraped vllm:num_requests_waiting
     prefill: PrefillModel = field(default_factory=PrefillModel)
-    batch_capacity: int | None = None  # requests it runs at once, once seen queueing
+    batch_capacity: int | None = None  # requests it runs at once: announced, or seen queueing
+    batch_announced: bool = False  # the worker said it (its max_num_seqs): exact, not learned
 
 
 @dataclass(slots=True)
@@ -166,6 +167,7 @@ class Candidate:
     kv_usage: float | None = None
     predicted_ttft_s: float | None = None
     batch_capacity: int | None = None
+    batch_announced: bool = False
     scores: dict[str, float] = field(default_factory=dict)  # scorer -> score in [0, 1]
     total: float | None = None
 
@@ -397,6 +399,7 @@ class Policy:
                 kv_usage=w.kv_usage,
                 predicted_ttft_s=predicted_ttft(req, w),
                 batch_capacity=w.batch_capacity,
+                batch_announced=w.batch_announced,
             )
             for w in workers
         }
@@ -500,14 +503,20 @@ def saturation(
 def _full(c: Candidate, bound_s: float) -> bool:
     """Whether a request sent to this worker now would wait there: behind prompt tokens
     predicted to take over ``bound_s``, or for a place in its batch. The prediction sees
-    prefill work only; a worker whose batch is full (it was seen running ``batch_capacity``
-    requests with others waiting) queues a request however short its prompt. A worker with
-    nothing queued takes it whatever its prediction: a long prompt on an idle pool predicts
-    a long TTFT that no amount of waiting would shorten."""
+    prefill work only; a worker whose batch is full queues a request however short its
+    prompt. A worker with nothing queued takes it whatever its prediction: a long prompt on
+    an idle pool predicts a long TTFT that no amount of waiting would shorten.
+
+    An announced batch size is exact: the router sends no more than it, so a request that
+    comes later with a higher priority never waits at a worker behind one already sent.
+    A learned one (the most it was seen running while others waited) may be low (a KV
+    cache full of long prompts): an eighth more keeps the worker queueing a little, which
+    is how a larger batch, when it can run one, is seen."""
     if c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s:
         return True
     if c.batch_capacity is not None:
-        return c.in_flight >= c.batch_capacity + max(1, c.batch_capacity // 8)
+        slack = 0 if c.batch_announced else max(1, c.batch_capacity // 8)
+        return c.in_flight >= c.batch_capacity + slack
     return False
 
 

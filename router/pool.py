@@ -116,9 +116,11 @@ class WorkerState:
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
-    #: the most requests it was seen running while others waited: how many it takes at
-    #: once (vLLM's max_num_seqs, or what its KV cache holds); None until it queues
+    #: how many requests it takes at once: a kvpool worker's max_num_seqs from its info, or
+    #: the most it was seen running while others waited (vLLM's max_num_seqs, or what its
+    #: KV cache holds); None until then
     batch_capacity: int | None = None
+    batch_announced: bool = False  # batch_capacity is the worker's own max_num_seqs
     scraped_at: float | None = None
     itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
     itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
@@ -172,15 +174,25 @@ class WorkerState:
             prefill=self.prefill,
             models=self.models,
             batch_capacity=self.batch_capacity,
+            batch_announced=self.batch_announced,
         )
 
     # -- a request's life on this worker --------------------------------------------------
 
     def begin(
-        self, tokens: int, predicted_ttft: float, now: float, *, learn: bool = True
+        self,
+        tokens: int,
+        predicted_ttft: float,
+        now: float,
+        *,
+        learn: bool = True,
+        shows_first_token: bool = False,
     ) -> Ticket:
         """``learn=False``: a decode leg, whose first token waits for a block transfer as
-        well as for its prefill, so its TTFT would teach the prefill model wrong."""
+        well as for its prefill, so its TTFT would teach the prefill model wrong.
+        ``shows_first_token``: the router will see its first token (a stream, a prefill
+        leg's answer), so its tokens count as queued until then, however long the worker's
+        queue has grown."""
         ticket = Ticket(
             worker=self.id,
             tokens=tokens,
@@ -188,7 +200,7 @@ class WorkerState:
             routed_at=now,
             # A non-streamed answer shows no first token: its tokens leave the queue when
             # they should have been prefilled (twice the prediction, at least 2 s).
-            expires_at=now + max(2 * predicted_ttft, 2.0),
+            expires_at=math.inf if shows_first_token else now + max(2 * predicted_ttft, 2.0),
             learn=learn,
         )
         self.in_flight += 1
@@ -485,6 +497,9 @@ class WorkerPool:
             log.warning("worker %s: registration failed: %s", state.id, exc)
             return
         state.info = info
+        if info is not None and info.max_num_seqs is not None:
+            state.batch_capacity = info.max_num_seqs  # its scheduler's word, before any scrape
+            state.batch_announced = True
         state.set_models(cards)
         state.mismatch = self._mismatch(info)
         state.compatible = state.mismatch is None
@@ -646,8 +661,9 @@ class WorkerPool:
             state.kv_usage = values.get("vllm:kv_cache_usage_perc")
             state.waiting = values.get("vllm:num_requests_waiting")
             state.running = values.get("vllm:num_requests_running")
-            if state.waiting and state.running and state.waiting >= 1:
-                state.batch_capacity = max(state.batch_capacity or 0, int(state.running))
+            queueing = state.waiting and state.running and state.waiting >= 1
+            if queueing and not state.batch_announced:
+                state.batch_capacity = max(state.batch_capacity or 0, int(state.running or 0))
             state.scraped_at = time.monotonic()
             self._learn_itl(state, values)
 

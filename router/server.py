@@ -393,6 +393,7 @@ class Router:
                     "kv_usage": s.kv_usage,
                     "waiting": s.waiting,
                     "running": s.running,
+                    "batch_capacity": s.batch_capacity,
                     "circuit_open": s.breaker.is_open(now),
                     "kv_events": s.subscriber.endpoint if s.subscriber else None,
                     "events_seen": s.events_seen,
@@ -892,16 +893,19 @@ class Router:
                     routed.num_tokens - decision.cached_tokens,
                     decision.predicted_ttft_s or 0.0,
                     now,
+                    shows_first_token=routed.stream,
                 )
             else:  # its prefill is pulled: it computes the tail, after the transfer
-                ticket = state.begin(leg.tail_tokens, 0.0, now, learn=False)
+                ticket = state.begin(
+                    leg.tail_tokens, 0.0, now, learn=False, shows_first_token=routed.stream
+                )
             state.breaker.on_attempt(now)
             tried.add(state.id)
             attempt = _Attempt()
             state.attempts.add(attempt)
             limit = now + s.first_token_timeout_s if routed.stream else deadline
             if routed.admitted is not None:
-                routed.admitted.sent = True
+                routed.admitted.on_worker()
             # The attempt's span lasts as long as the attempt: a stream's, to its end.
             span = tracing.start_span(
                 "kvpool.router.upstream",
@@ -1024,7 +1028,10 @@ class Router:
             speculated = pool.speculate(state.id, routed.keys)
             now = time.monotonic()
             ticket = state.begin(
-                routed.num_tokens - decision.cached_tokens, decision.predicted_ttft_s or 0.0, now
+                routed.num_tokens - decision.cached_tokens,
+                decision.predicted_ttft_s or 0.0,
+                now,
+                shows_first_token=True,  # the leg's answer is its first token
             )
             state.breaker.on_attempt(now)
             tried.add(state.id)
@@ -1072,7 +1079,7 @@ class Router:
     ) -> dict[str, Any]:
         """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`_Failed`."""
         if routed.admitted is not None:
-            routed.admitted.sent = True
+            routed.admitted.on_worker()
         with tracing.span("kvpool.router.prefill_leg", {"kvpool.worker": state.id}):
             headers: dict[str, str] = {}
             tracing.inject(headers)

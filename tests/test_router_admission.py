@@ -443,3 +443,72 @@ def test_a_saturated_pool_holds_requests_in_the_router_until_a_worker_can_take_t
         assert [f.result().status_code for f in futures] == [200] * 3
         done.set()
     assert len(worker.generation_requests()) == 3
+
+
+# -- the dispatcher, against a pool of a known size ---------------------------------------
+
+
+async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
+    llama_dir: Path,
+) -> None:
+    """A pool that takes 2 requests at once, 12 clients: when one ends, exactly one waiting
+    request goes on. A request let go by the dispatcher counts at its worker only once its
+    own task runs, so a dispatcher that asked again before that would see the same room 10
+    times over and pile the whole queue into the workers' own queues, where priority
+    means nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvpool.router.admission import Gate
+    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.settings import RouterSettings
+
+    capacity = 2
+    at_worker: list[Any] = []
+    most = 0
+
+    def saturation(routed: Any) -> str | None:
+        return "ttft" if len(at_worker) >= capacity else None
+
+    settings = RouterSettings(model=str(llama_dir), worker=["http://127.0.0.1:9"])
+    gate = Gate(settings, RouterMetrics(lambda: [], lambda worker: 0), saturation)
+    ends: dict[int, asyncio.Event] = {}
+
+    async def client(i: int) -> None:
+        nonlocal most
+        p = gate.enter({})
+        await gate.admit(p, SimpleNamespace(num_tokens=100), {}, max_tokens=16, size=400)
+        at_worker.append(p)  # routed, its ticket begun: no await between, as in the router
+        p.on_worker()
+        most = max(most, len(at_worker))
+        ends[i] = asyncio.Event()
+        await ends[i].wait()
+        at_worker.remove(p)
+        gate.finish(p)
+
+    tasks = [asyncio.create_task(client(i)) for i in range(12)]
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        for event in list(ends.values()):  # the worker answers one request at a time
+            if not event.is_set():
+                event.set()
+                break
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    assert most == capacity
+    assert gate.active == 0 and len(gate.queue) == 0
+    text = gate.metrics.render().decode()
+    # every request that waited is counted, not only the one that started the queue
+    assert 'kvpool_router_saturated_total{reason="ttft"} 10.0' in text
+    await gate.close()
+
+
+def test_a_kvpool_worker_says_how_many_requests_it_runs_at_once_and_the_router_knows_it(
+    start_worker: Callable[..., Any], start_router: Callable[..., RunningRouter]
+) -> None:
+    # Before any request has queued there: flow control sees a full batch at once.
+    worker = start_worker(max_num_seqs=3, max_num_batched_tokens=256)
+    info = httpx.get(worker.url + "/kvpool/info").json()
+    assert info["max_num_seqs"] == 3
+    router = start_router(worker=[f"{worker.url},id=w"])
+    router.wait_workers_up(1)
+    assert router.workers()["w"]["batch_capacity"] == 3

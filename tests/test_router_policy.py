@@ -382,6 +382,13 @@ def test_the_pool_is_saturated_only_when_every_eligible_worker_would_queue_the_r
     # A full batch queues even a short prompt; a worker never seen queueing has no bound.
     full = workers(2, in_flight=9, batch_capacity=8)
     assert saturation(policy.decide(req(100), full), 2.0) == "ttft"
+    # A learned size may be low: a little over it still goes, to learn a larger one. An
+    # announced one is exact: nothing waits at the worker.
+    assert (
+        saturation(policy.decide(req(100), workers(2, in_flight=8, batch_capacity=8)), 2.0) is None
+    )
+    exact = workers(2, in_flight=8, batch_capacity=8, batch_announced=True)
+    assert saturation(policy.decide(req(100), exact), 2.0) == "ttft"
     assert saturation(policy.decide(req(100), workers(2, in_flight=9)), 2.0) is None
     # Down or other-model workers are not eligible: no saturation, an honest 503.
     down = workers(2, healthy=False, queued_tokens=3000, prefill=slow)

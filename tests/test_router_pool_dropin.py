@@ -473,6 +473,23 @@ def test_whole_answers_teach_the_prefill_model_their_ttft_less_their_decode() ->
     assert state.queued == {} and state.in_flight == 0
 
 
+def test_a_stream_counts_as_queued_until_its_first_token_however_long_the_wait() -> None:
+    """A worker 20 s behind still has every stream's prompt ahead of the next request:
+    were a stream's tokens forgotten after a fixed time, the router would think the queue
+    empty and pile more on. A whole answer, which shows no first token, is forgotten
+    once it should have been prefilled (twice its prediction)."""
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    streamed = state.begin(3000, 0.5, 0.0, shows_first_token=True)
+    whole = state.begin(1000, 0.5, 0.0)
+    assert state.queued_tokens(1.9) == 4000
+    assert state.queued_tokens(20.0) == 3000  # the whole answer's prediction has passed
+    state.first_token(streamed, 21.0)
+    assert state.queued_tokens(21.0) == 0
+    state.end(streamed)
+    state.end(whole)
+    assert state.in_flight == 0
+
+
 def test_a_whole_answer_teaches_nothing_it_cannot_tell() -> None:
     state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
     ticket = state.begin(1000, 0.1, 0.0)

@@ -410,6 +410,7 @@ class WorkerServer:
             kv_events=events,
             kv_transfer_engine_id=self.engine_id,
             version=__version__,
+            max_num_seqs=engine.scheduler.config.max_num_seqs,
         )
         return JSONResponse(info.model_dump())
 
