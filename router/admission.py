@@ -87,12 +87,15 @@ class Gate:
         self,
         settings: RouterSettings,
         metrics: RouterMetrics,
-        saturation: Callable[[Any], str | None],
+        saturation: Callable[[Any, bool], str | None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         s = self.settings = settings
         self.metrics = metrics
-        self.saturation = saturation  # (routed request) -> why the pool cannot take it now
+        #: (routed request, commit) -> why the pool cannot take it now. ``commit``: the
+        #: request goes at once when the answer is None, so the routing decision behind the
+        #: answer is the one it is sent by (asked again, it would be the same)
+        self.saturation = saturation
         self.clock = clock
         self.keys = KeyStore.from_file(s.api_keys_file) if s.api_keys_file else None
         self.limiter = RateLimiter(clock=clock)
@@ -246,7 +249,7 @@ class Gate:
             self._take(p, band, cost)
             return
         # Behind those already waiting (fairness), or alone with the pool saturated.
-        why = self.saturated_by if len(self.queue) else self._saturated(routed)
+        why = self.saturated_by if len(self.queue) else self._saturated(routed, commit=True)
         if why is None and not len(self.queue):
             self._take(p, band, cost)
             return
@@ -299,11 +302,11 @@ class Gate:
         p.waited_s = entry.waited_s if entry.waited_s is not None else self.clock() - now
         self.metrics.queue_wait.labels(p.band).observe(p.waited_s)
 
-    def _saturated(self, routed: Any) -> str | None:
+    def _saturated(self, routed: Any, *, commit: bool = False) -> str | None:
         if self.active >= self.settings.max_concurrency:
             why: str | None = "concurrency"
         else:
-            why = self.saturation(routed)
+            why = self.saturation(routed, commit)
         if why is not None:
             self.saturated_by = why
         return why

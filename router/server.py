@@ -117,6 +117,9 @@ class Routed:
     max_tokens: int = 0
     #: what admission gave it (its tenant, slot, reserved tokens), settled when it ends
     admitted: Pass | None = None
+    #: the plan admission made when it let the request straight through (the pool was not
+    #: saturated for it): the one it is sent by, not made twice
+    plan: Plan | None = None
 
 
 @dataclass
@@ -283,14 +286,22 @@ class Router:
             raise OpenAIError(503, "the router is starting", type="service_unavailable")
         return self.gate
 
-    def _saturation(self, routed: Routed) -> str | None:
-        """Why the pool cannot take ``routed`` now without a worker queue growing."""
+    def _saturation(self, routed: Routed, commit: bool) -> str | None:
+        """Why the pool cannot take ``routed`` now without a worker queue growing.
+        ``commit``: when it can, the request goes at once (nothing runs in between), so
+        this plan is the one it is sent by; otherwise planning moves no round-robin
+        position (the dispatcher asks about a waiting request again and again)."""
         if routed.pin is not None:
             return None  # only its own worker has what it continues: no choice to wait for
-        plan = self._plan(routed, dry_run=True)
+        t0 = time.perf_counter()
+        plan = self._plan(routed, dry_run=not commit)
         decision = plan.prefill if plan.prefill is not None else plan.decode
         guard = self.planner.aggregated.config.guard_kv_usage
-        return saturation(decision, self.settings.saturation_ttft_s, guard)
+        why = saturation(decision, self.settings.saturation_ttft_s, guard)
+        if commit and why is None:
+            self._metrics().decision_latency.observe(time.perf_counter() - t0)
+            routed.plan = plan
+        return why
 
     def _pool(self) -> WorkerPool:
         if self.pool is None:
@@ -806,9 +817,12 @@ class Router:
         """Plan the request's way (whole, or split), then serve it."""
         metrics = self._metrics()
         with tracing.span("kvpool.router.decide") as span:
-            t0 = time.perf_counter()
-            plan = self._plan(routed) if routed.pin is None else self._pinned(routed)
-            metrics.decision_latency.observe(time.perf_counter() - t0)
+            plan = routed.plan  # admission's, made a moment ago for the same pool
+            routed.plan = None
+            if plan is None:
+                t0 = time.perf_counter()
+                plan = self._plan(routed) if routed.pin is None else self._pinned(routed)
+                metrics.decision_latency.observe(time.perf_counter() - t0)
             if span is not None:
                 span.set_attributes(
                     {

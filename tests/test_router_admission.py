@@ -467,7 +467,7 @@ async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     at_worker: list[Any] = []
     most = 0
 
-    def saturation(routed: Any) -> str | None:
+    def saturation(routed: Any, commit: bool) -> str | None:
         return "ttft" if len(at_worker) >= capacity else None
 
     settings = RouterSettings(model=str(llama_dir), worker=["http://127.0.0.1:9"])
