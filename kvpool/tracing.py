@@ -91,10 +91,35 @@ def configure(service_name: str, env: Mapping[str, str] | None = None) -> bool:
     if exporter_name == "console":
         exporter: Any = ConsoleSpanExporter()
     elif exporter_name == "otlp":
+        protocol = (
+            env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        ).strip()
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            elif protocol == "http/protobuf":
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            else:
+                log.warning(
+                    "tracing: OTLP protocol %r is not one kvpool sends (http/protobuf, grpc); "
+                    "tracing stays off",
+                    protocol,
+                )
+                return False
         except ImportError:
-            log.warning("tracing: the OTLP exporter is not installed; tracing stays off")
+            package = "grpc" if protocol == "grpc" else "http"
+            log.warning(
+                "tracing: the OTLP %s exporter is not installed (pip install "
+                "opentelemetry-exporter-otlp-proto-%s); tracing stays off",
+                protocol,
+                package,
+            )
             return False
         exporter = OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
     else:

@@ -105,13 +105,17 @@ class Images:
 
 
 # Who scrapes metrics when neither the pool (networkPolicy.metricsFrom) nor the operator's
-# settings say: Prometheus pods in any namespace, as prometheus-operator (kube-prometheus-
-# stack) and the prometheus-community chart label them.
+# settings say: Prometheus pods, as prometheus-operator (kube-prometheus-stack) and the
+# prometheus-community chart label them, in the namespace "monitoring" or the pool's own.
+# Not any namespace: whoever may create a pod anywhere could label it so, and a worker's
+# metrics port is its API port too.
+PROMETHEUS_PODS: Manifest = {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
 DEFAULT_METRICS_FROM: tuple[Manifest, ...] = (
     {
-        "namespaceSelector": {},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": PROMETHEUS_PODS,
     },
+    {"podSelector": PROMETHEUS_PODS},
 )
 
 

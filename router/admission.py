@@ -50,8 +50,11 @@ DISPATCH_POLL_S = 0.01
 #: the longest the dispatcher waits for a request it let go to reach a worker before it
 #: asks about the next one (it is a few function calls away: routing, then its ticket)
 PLACE_WAIT_S = 0.2
-#: what a waiting request holds besides its body: its token ids and block keys
+#: what a waiting request holds besides its body: its token ids and block keys (a Python
+#: int in a list: 36 bytes, and the block keys), twice the body (the bytes and what was
+#: parsed from them), and its connection, task and request objects
 BYTES_PER_TOKEN = 48
+BYTES_PER_REQUEST = 8 * 2**10
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Pass:
     #: x-ratelimit-* headers for the answer
     headers: dict[str, str] = field(default_factory=dict)
     waited_s: float | None = None
+    cost: int = 0  # the tokens its band's fairness counted for it: settled with its usage
     error: str | None = None
     outcome: str | None = None  # how admission ended it: rate_limited or shed
     done: bool = False
@@ -262,7 +266,7 @@ class Gate:
                 band,
                 p.tenant.name,
                 cost=cost,
-                size=size + BYTES_PER_TOKEN * routed.num_tokens,
+                size=2 * size + BYTES_PER_TOKEN * routed.num_tokens + BYTES_PER_REQUEST,
                 payload=(p, routed, cost),
                 deadline=deadline,
                 weight=p.tenant.weight,
@@ -313,6 +317,7 @@ class Gate:
 
     def _take(self, p: Pass, band: Band, cost: int) -> None:
         p.slot = True
+        p.cost = cost
         self.active += 1
         self.queue.charge(band, p.tenant.name, cost, p.tenant.weight)
 
@@ -343,10 +348,16 @@ class Gate:
                 if entry.future is None or entry.future.done():  # gone while waiting
                     self.queue.remove(entry)
                     continue
-                if self._saturated(routed) is not None:
+                try:
+                    why = self._saturated(routed)
+                except Exception:  # its own task meets the same error and answers it
+                    log.exception("flow control: the saturation check failed; sending it on")
+                    why = None
+                if why is not None:
                     break
-                self.queue.pop_next()
+                self.queue.pop_next()  # counts its cost for its tenant, as _take does
                 p.slot = True
+                p.cost = entry.cost
                 self.active += 1
                 entry.future.set_result(None)
                 # Its load must count at its worker before the next saturation check, or
@@ -385,6 +396,8 @@ class Gate:
             used = 0  # no worker spent anything on it
         if p.reservation is not None:
             self.limiter.settle(p.reservation, used)
+        if p.cost and used is not None:  # fairness by the tokens it really took
+            self.queue.adjust(p.band, p.tenant.name, used - p.cost, p.tenant.weight)
         outcome = p.outcome or ("error" if p.error else "success")
         self.metrics.tenant_requests.labels(p.tenant.name, outcome).inc()
         tracing.end_span(p.span, p.error, **{"kvpool.tenant": p.tenant.name, "kvpool.band": p.band})

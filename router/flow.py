@@ -501,17 +501,22 @@ class FairQueue:
         A no-op when the tenant's counter is no longer kept (it fell behind the band)."""
         if entry.state != "dispatched":
             return
-        delta = (actual_tokens - entry.cost) / entry.weight
-        b = self._bands[entry.band]
-        t = b.tenants.get(entry.tenant)
+        self.adjust(entry.band, entry.tenant, actual_tokens - entry.cost, entry.weight)
+
+    def adjust(self, band: Band | str, tenant: str, tokens: int, weight: float = 1.0) -> None:
+        """Correct what a tenant was counted for a request served (queued or not) by
+        ``tokens``: its real usage less the estimate it was charged."""
+        delta = tokens / weight
+        b = self._bands[Band.of(band)]
+        t = b.tenants.get(tenant)
         if t is not None:
             t.counter = max(b.vtime, t.counter + delta) if delta < 0 else t.counter + delta
             t.version += 1
             self._push_heap(b, t)
-        elif entry.tenant in b.idle:
-            b.idle[entry.tenant] += delta
-            if b.idle[entry.tenant] <= b.vtime:
-                del b.idle[entry.tenant]
+        elif tenant in b.idle:
+            b.idle[tenant] += delta
+            if b.idle[tenant] <= b.vtime:
+                del b.idle[tenant]
 
     def charge(self, band: Band | str, tenant: str, tokens: int, weight: float = 1.0) -> None:
         """Count tokens a tenant was served without waiting here (the pool was not

@@ -1098,17 +1098,17 @@ class Router:
             headers: dict[str, str] = {}
             tracing.inject(headers)
             resp = await self._send(state, routed, deadline, body=body, headers=headers)
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                content = await resp.read()
-        except TimeoutError:
-            state.breaker.on_failure(time.monotonic())
-            raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            state.breaker.on_failure(time.monotonic())
-            raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
-        finally:
-            resp.release()  # kept if read to its end, closed if not
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    content = await resp.read()
+            except TimeoutError:
+                state.breaker.on_failure(time.monotonic())
+                raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                state.breaker.on_failure(time.monotonic())
+                raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
+            finally:
+                resp.release()  # kept if read to its end, closed if not
         text = content.decode(errors="replace")
         if resp.status != 200:
             raise _Failed("refused", f"{resp.status} {_error_message(text)[:300]}")

@@ -160,13 +160,16 @@ def test_one_address_cannot_take_every_connection(
 def test_a_body_that_does_not_arrive_in_time_gets_408_and_holds_no_slot(
     guarded: Callable[..., tuple[RecordingWorker, RunningRouter]], llama_dir: Path
 ) -> None:
-    worker, router = guarded(body_timeout_s=0.5, max_concurrency=1)
+    # Without flow control a taken slot answers 429 at once (with it, the good request
+    # would only wait for the 408 and pass all the same).
+    worker, router = guarded(body_timeout_s=2.0, max_concurrency=1, flow_control=False)
     port = _port(router)
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
         b"content-length: 100\r\n\r\n{"
     )
+    time.sleep(0.2)  # its headers are in: only its body is awaited
     # While it dribbles, the one slot is free for others: a body being read holds none.
     assert httpx.post(router.url + "/v1/completions", json=body(llama_dir)).status_code == 200
     s.settimeout(5)

@@ -198,6 +198,19 @@ def test_prometheus_and_the_operator_scrape_http_and_nothing_else() -> None:
         assert may_connect(policies, scraper, pods["router"], ROUTER_PORT)
     unknown_operator = Pod(OPERATOR.labels, namespace="default")
     assert not may_connect(policies, unknown_operator, pods["decode"], HTTP)
+
+
+def test_a_pod_labelled_prometheus_in_any_other_namespace_reaches_no_worker() -> None:
+    """Anyone who may create a pod somewhere may label it as Prometheus: by default only
+    the monitoring namespace and the pool's own are trusted to scrape (the worker's metrics
+    port is its API port)."""
+    children = pool(DISAGGREGATED)
+    policies, pods = policies_of(children), pods_of(children)
+    for namespace in ("default", "tenant-x", "kube-system"):
+        lookalike = Pod(PROMETHEUS.labels, namespace=namespace)
+        for target in (pods["prefill"], pods["decode"]):
+            assert not may_connect(policies, lookalike, target, HTTP)
+    assert may_connect(policies, Pod(PROMETHEUS.labels), pods["decode"], HTTP)  # its own
     # an operator outside the cluster (no pod of its own known): no policy names it
     outside = pool(DISAGGREGATED, peers=Peers())
     assert not may_connect(policies_of(outside), OPERATOR, pods_of(outside)["decode"], HTTP)

@@ -502,6 +502,63 @@ async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     await gate.close()
 
 
+async def test_fairness_counts_the_tokens_a_request_really_took_not_its_max_tokens(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """Tenant x asked for 2,000 tokens but the answer took 20; y asked for and took 200.
+    Both then wait for the one place: x has used less, so x goes first. Counted by what
+    they asked for, y would."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvpool.router.admission import Gate
+    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.settings import RouterSettings
+
+    tenants = [{"name": "x", "keys": [KEY_A]}, {"name": "y", "keys": [KEY_B]}]
+    settings = RouterSettings(
+        model=str(llama_dir),
+        worker=["http://127.0.0.1:9"],
+        api_keys_file=str(write_tenants(tmp_path / "tenants.yaml", tenants)),
+    )
+    busy: list[Any] = []
+    gate = Gate(
+        settings,
+        RouterMetrics(lambda: [], lambda worker: 0),
+        lambda routed, commit: "ttft" if busy else None,
+    )
+    order: list[str] = []
+
+    async def request(key: str, max_tokens: int, completion: int, hold: asyncio.Event) -> None:
+        p = gate.enter({"authorization": f"Bearer {key}"})
+        routed = SimpleNamespace(num_tokens=100)
+        await gate.admit(p, routed, {}, max_tokens=max_tokens, size=400)
+        order.append(p.tenant.name)
+        busy.append(p)
+        p.on_worker()
+        await hold.wait()
+        p.usage = {"prompt_tokens": 100, "completion_tokens": completion}
+        busy.remove(p)
+        gate.finish(p)
+
+    done = asyncio.Event()
+    done.set()
+    await request(KEY_A, 2000, 20, done)  # x: served alone, took 120 tokens of 2,100
+    hold = asyncio.Event()
+    y1 = asyncio.create_task(request(KEY_B, 200, 200, hold))  # y: holds the place
+    await asyncio.sleep(0.01)
+    waiting = [
+        asyncio.create_task(request(KEY_B, 200, 200, done)),
+        asyncio.create_task(request(KEY_A, 200, 200, done)),
+    ]
+    await asyncio.sleep(0.05)
+    assert len(gate.queue) == 2
+    hold.set()
+    await asyncio.wait_for(asyncio.gather(y1, *waiting), timeout=5)
+    assert order == ["x", "y", "x", "y"]
+    await gate.close()
+
+
 def test_a_kvpool_worker_says_how_many_requests_it_runs_at_once_and_the_router_knows_it(
     start_worker: Callable[..., Any], start_router: Callable[..., RunningRouter]
 ) -> None:

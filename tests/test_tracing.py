@@ -380,6 +380,26 @@ def test_an_unknown_exporter_is_logged_and_leaves_tracing_off(
     assert "OTEL_TRACES_EXPORTER=zipkin" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("protocol", "says"),
+    [
+        ("grpc", "pip install opentelemetry-exporter-otlp-proto-grpc"),
+        ("http/json", "OTLP protocol 'http/json' is not one kvpool sends"),
+    ],
+)
+def test_an_otlp_protocol_it_cannot_send_is_logged_not_sent_the_wrong_way(
+    tracing_reset: None, caplog: pytest.LogCaptureFixture, protocol: str, says: str
+) -> None:
+    # gRPC on port 4317 answers nothing to HTTP: sending protobuf over HTTP there anyway
+    # would lose every span without a word. (The grpc exporter is not in the extra.)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    env["OTEL_EXPORTER_OTLP_PROTOCOL"] = protocol
+    with caplog.at_level(logging.WARNING, logger="kvpool.tracing"):
+        assert tracing.configure("kvpool-router", env=env) is False
+    assert tracing.tracer() is None
+    assert says in caplog.text
+
+
 def test_with_tracing_off_the_router_passes_the_clients_trace_headers_on_unchanged(
     tracing_reset: None, start_router: Callable[..., RunningRouter], llama_dir: Any
 ) -> None:

@@ -659,9 +659,9 @@ class WorkerServer:
                 exc,
                 exc_info=not isinstance(exc, TransferError | ValueError),
             )
-            return None
-        finally:
+            # A pull that was read to its end freed the pin; one that failed may not have.
             asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
+            return None
 
     async def _release_remote(self, url: str, headers: dict[str, str]) -> None:
         """Free the pin if the pull never reached it (a pull frees it itself)."""
