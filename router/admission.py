@@ -30,7 +30,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,6 +228,17 @@ class Gate:
         """Reserve the request's tokens, then take a slot now or wait for one: the request
         is ready for a worker when this returns (or the client left: no slot). An
         :class:`OpenAIError` (429, 503) otherwise."""
+        wait = self.admit_now(p, routed, headers, max_tokens=max_tokens, size=size)
+        if wait is not None:
+            await wait
+
+    def admit_now(
+        self, p: Pass, routed: Any, headers: Mapping[str, str], *, max_tokens: int, size: int
+    ) -> Coroutine[Any, Any, None] | None:
+        """:meth:`admit` without a wait when it needs none: None when the request has its
+        slot now, else its place in the queue, to be awaited (at once: the caller watches
+        for the client leaving meanwhile, which costs a task that most requests never
+        need)."""
         s = self.settings
         band = self.band_of(p, headers)
         p.band = band.label
@@ -260,7 +271,6 @@ class Gate:
         # Every request that waits is counted, with why the pool last refused one.
         self.metrics.saturated.labels(why or "ttft").inc()
         now = self.clock()
-        limit = s.queue_timeout_s
         try:
             entry = self.queue.push(
                 band,
@@ -274,9 +284,14 @@ class Gate:
         except QueueRefused as refused:
             self._shed(p, refused.reason)
             raise
-        loop = asyncio.get_running_loop()
-        entry.future = future = loop.create_future()
+        entry.future = asyncio.get_running_loop().create_future()
         self._kick()
+        return self._wait_turn(p, entry, now)
+
+    async def _wait_turn(self, p: Pass, entry: Entry, now: float) -> None:
+        limit = self.settings.queue_timeout_s
+        future = entry.future
+        assert future is not None
         with tracing.span("kvpool.router.queue", {"kvpool.band": p.band}) as span:
             try:
                 async with asyncio.timeout(limit):

@@ -567,16 +567,11 @@ class Router:
                         }
                     )
                 # Its tokens, then a slot: at once, or after waiting its turn.
-                await self._unless_client_leaves(
-                    request,
-                    gate.admit(
-                        admitted,
-                        routed,
-                        request.headers,
-                        max_tokens=routed.max_tokens,
-                        size=len(body),
-                    ),
+                wait = gate.admit_now(
+                    admitted, routed, request.headers, max_tokens=routed.max_tokens, size=len(body)
                 )
+                if wait is not None:
+                    await self._unless_client_leaves(request, wait)
                 if not admitted.slot:  # the client left while it waited
                     return Response(status_code=499)
                 s = self.settings
