@@ -144,6 +144,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from .stack import Stack, StackError, run_demo
 
     model = Path(args.model)
+    keys = Path(args.api_keys_file) if args.api_keys_file else None
+    if keys is not None and not keys.is_file():
+        raise ValueError(f"--api-keys-file: {keys} is not a file")
+    if keys is not None and args.demo:
+        raise ValueError("--demo sends no API key: leave out --api-keys-file")
     if not (model / "config.json").is_file():
         if args.model != DEFAULT_STACK_MODEL:
             raise ValueError(f"--model: {model} is not a model directory (no config.json)")
@@ -160,6 +165,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         port=args.port,
         policy=args.policy,
         verbose=args.verbose,
+        api_keys_file=keys,
     )
 
     def terminate(signum: int, frame: object) -> None:
@@ -269,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080, help="the router's port")
     p.add_argument("--policy", default="kvpool")
     p.add_argument("--demo", action="store_true", help="send the demo requests, then stop")
+    p.add_argument("--api-keys-file", default=None, help="the router's tenants file: every "
+                   "/v1 request then needs a key from it (default: no keys asked for)")  # fmt: skip
     p.set_defaults(func=_cmd_up)
 
     for name, (_, _, text) in COMPONENTS.items():

@@ -140,6 +140,8 @@ class Stack:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     #: shared by the router and the workers; a new random one per start when not given
     pool_secret: str | None = field(default=None, repr=False)
+    #: the router's tenants file (API keys); None: the router asks for no key
+    api_keys_file: Path | None = None
 
     @property
     def url(self) -> str:
@@ -192,6 +194,8 @@ class Stack:
         self._wait(self.worker_urls, timeout, "workers")
         args = ["router", *verbose, "serve", "--model", str(self.model), "--port", str(self.port)]
         args += ["--policy", self.policy]
+        if self.api_keys_file is not None:
+            args += ["--api-keys-file", str(self.api_keys_file)]
         for url in self.worker_urls:
             args += ["--worker", url]
         router_env = _env(KVPOOL_ROUTER_POOL_SECRET=secret)

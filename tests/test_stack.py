@@ -65,3 +65,34 @@ def test_sigterm_stops_every_process_of_the_stack(llama_dir: Path) -> None:
                 break  # nothing listens there any more
             assert time.monotonic() < deadline, f"{url} still answers after the stack stopped"
             time.sleep(0.1)
+
+
+def test_up_asks_for_keys_only_when_given_a_tenants_file(llama_dir: Path, tmp_path: Path) -> None:
+    key = "sk-local-0123456789abcdef"
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(f"tenants:\n  - name: me\n    keys: [{key}]\n")
+    argv = [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0"]
+    proc = subprocess.Popen(
+        [*argv, "--api-keys-file", str(tenants)],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        router = re.findall(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())[0]
+        assert httpx.get(router + "/v1/models", timeout=5).status_code == 401
+        with_key = httpx.get(router + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert with_key.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    bad = subprocess.run(
+        [*argv, "--api-keys-file", str(tmp_path / "missing.yaml")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0 and "--api-keys-file" in bad.stderr
