@@ -8,12 +8,14 @@ parts (the key store, the buckets, the fair queue) have their own tests
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -448,6 +450,16 @@ def test_a_saturated_pool_holds_requests_in_the_router_until_a_worker_can_take_t
 # -- the dispatcher, against a pool of a known size ---------------------------------------
 
 
+def gate_of(llama_dir: Path, saturation: Callable[[Any, bool], str | None], **values: Any) -> Any:
+    """The router's admission alone, before a pool whose saturation the test decides."""
+    from kvpool.router.admission import Gate
+    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.settings import RouterSettings
+
+    settings = RouterSettings(model=str(llama_dir), worker=["http://127.0.0.1:9"], **values)
+    return Gate(settings, RouterMetrics(lambda: [], lambda worker: 0), saturation)
+
+
 async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     llama_dir: Path,
 ) -> None:
@@ -456,13 +468,6 @@ async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     own task runs, so a dispatcher that asked again before that would see the same room 10
     times over and pile the whole queue into the workers' own queues, where priority
     means nothing."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from kvpool.router.admission import Gate
-    from kvpool.router.metrics import RouterMetrics
-    from kvpool.router.settings import RouterSettings
-
     capacity = 2
     at_worker: list[Any] = []
     most = 0
@@ -470,8 +475,7 @@ async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     def saturation(routed: Any, commit: bool) -> str | None:
         return "ttft" if len(at_worker) >= capacity else None
 
-    settings = RouterSettings(model=str(llama_dir), worker=["http://127.0.0.1:9"])
-    gate = Gate(settings, RouterMetrics(lambda: [], lambda worker: 0), saturation)
+    gate = gate_of(llama_dir, saturation)
     ends: dict[int, asyncio.Event] = {}
 
     async def client(i: int) -> None:
@@ -508,24 +512,11 @@ async def test_fairness_counts_the_tokens_a_request_really_took_not_its_max_toke
     """Tenant x asked for 2,000 tokens but the answer took 20; y asked for and took 200.
     Both then wait for the one place: x has used less, so x goes first. Counted by what
     they asked for, y would."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from kvpool.router.admission import Gate
-    from kvpool.router.metrics import RouterMetrics
-    from kvpool.router.settings import RouterSettings
-
     tenants = [{"name": "x", "keys": [KEY_A]}, {"name": "y", "keys": [KEY_B]}]
-    settings = RouterSettings(
-        model=str(llama_dir),
-        worker=["http://127.0.0.1:9"],
-        api_keys_file=str(write_tenants(tmp_path / "tenants.yaml", tenants)),
-    )
+    keys = write_tenants(tmp_path / "tenants.yaml", tenants)
     busy: list[Any] = []
-    gate = Gate(
-        settings,
-        RouterMetrics(lambda: [], lambda worker: 0),
-        lambda routed, commit: "ttft" if busy else None,
+    gate = gate_of(
+        llama_dir, lambda routed, commit: "ttft" if busy else None, api_keys_file=str(keys)
     )
     order: list[str] = []
 
