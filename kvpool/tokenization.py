@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -19,8 +20,10 @@ from typing import Any
 __all__ = [
     "TOKENIZER_FILES",
     "PrefixTokenCache",
+    "PromptTooLong",
     "TokenizerError",
     "encode_prompt",
+    "encode_within",
     "load_tokenizer",
     "render_chat",
     "render_chat_text",
@@ -62,6 +65,64 @@ def encode_prompt(
             return cache.encode(prompt, add_special_tokens=add_special_tokens)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     return list(prompt)
+
+
+class PromptTooLong(ValueError):
+    """A prompt has more tokens than the model's context: found, for a long text, from a
+    beginning of it, without tokenizing the rest."""
+
+    def __init__(self, limit: int, counted: int, chars: int | None, total_chars: int) -> None:
+        self.limit, self.counted, self.chars = limit, counted, chars
+        if chars is None or chars >= total_chars:
+            has = f"has {counted:,} tokens"
+        else:
+            has = (
+                f"has more than {limit:,} tokens ({counted:,} in its first {chars:,} of "
+                f"{total_chars:,} characters)"
+            )
+        super().__init__(
+            f"This model's maximum context length is {limit:,} tokens. However, the prompt "
+            f"{has}. Please reduce the length of the prompt."
+        )
+
+
+#: a text this many times longer, in characters, than the context is in tokens is counted
+#: from its beginning first: a prompt far over the context is refused for the cost of
+#: tokenizing about a context's worth of it (and nothing of it is kept), not all of it
+CHARS_PER_TOKEN_BOUND = 8
+
+
+def encode_within(
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    limit: int | None,
+    cache: PrefixTokenCache | None = None,
+    *,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """:func:`encode_prompt`, raising :class:`PromptTooLong` for a prompt of more than
+    ``limit`` tokens (``None``: no limit). A text longer than ``limit`` times
+    :data:`CHARS_PER_TOKEN_BOUND` characters is tokenized a growing beginning at a time,
+    so the work done to refuse it is bounded by the context, not by the text. The
+    beginnings are cut anywhere: the count of a beginning may differ from the text's own
+    count of those characters by the one token the cut splits, so a beginning must have
+    more than ``limit`` + 1 tokens to refuse the text."""
+    if limit is None:
+        return encode_prompt(tokenizer, prompt, cache, add_special_tokens=add_special_tokens)
+    if not isinstance(prompt, str):
+        if len(prompt) > limit:
+            raise PromptTooLong(limit, len(prompt), None, len(prompt))
+        return list(prompt)
+    head = limit * CHARS_PER_TOKEN_BOUND
+    while len(prompt) > head:
+        counted = len(tokenizer.encode(prompt[:head], add_special_tokens=add_special_tokens))
+        if counted > limit + 1:
+            raise PromptTooLong(limit, counted, head, len(prompt))
+        head *= 4
+    ids = encode_prompt(tokenizer, prompt, cache, add_special_tokens=add_special_tokens)
+    if len(ids) > limit:
+        raise PromptTooLong(limit, len(ids), None, len(prompt))
+    return ids
 
 
 def render_chat_text(
@@ -160,14 +221,22 @@ class PrefixTokenCache:
     """
 
     CHUNK = 256
+    #: what an entry costs beside its ids: the key's tuple and digest, the value's tuple
+    #: and the ordered dict's links, about
+    ENTRY_BYTES = 240
 
-    def __init__(self, tokenizer: Any, capacity: int = 8192) -> None:
+    def __init__(self, tokenizer: Any, capacity_bytes: int = 64 * 2**20) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("capacity_bytes must be positive")
         self.tokenizer = tokenizer
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         # (add_special_tokens, digest of text[:chunk end]) -> (cut, ids of a text, tokens
-        # before the cut)
-        self._entries: OrderedDict[tuple[bool, bytes], tuple[int, list[int], int]] = OrderedDict()
+        # before the cut). The entries of one text share its ids, kept once, 4 bytes each.
+        self._entries: OrderedDict[tuple[bool, bytes], tuple[int, array[int], int]] = OrderedDict()
+        self._shared: dict[int, list[Any]] = {}  # id(ids) -> [ids, entries holding them]
+        #: what the entries and their ids take, in bytes (counted, not measured)
+        self.bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -192,7 +261,7 @@ class PrefixTokenCache:
             self.hits += 1
             cut, cached, count = hit
             tail = self.backend.encode(text[cut:], add_special_tokens=False)
-            ids = cached[:count] + tail.ids
+            ids = cached[:count].tolist() + tail.ids
             starts = [-1] * count + [o[0] + cut for o in tail.offsets]
             done = cut + 1
         entries = []
@@ -201,15 +270,44 @@ class PrefixTokenCache:
                 continue
             b = _word_cut(text, end - 2, max(end - self.CHUNK, done))
             if b is not None:
-                entries.append(((add_special_tokens, key), (b, ids, bisect_left(starts, b))))
+                entries.append(((add_special_tokens, key), (b, bisect_left(starts, b))))
         if entries:
-            with self._lock:
-                for k, v in entries:
-                    self._entries[k] = v
-                    self._entries.move_to_end(k)
-                while len(self._entries) > self.capacity:
-                    self._entries.popitem(last=False)
-        return list(ids)
+            self._keep(entries, ids)
+        return ids
+
+    def _keep(
+        self, entries: list[tuple[tuple[bool, bytes], tuple[int, int]]], ids: list[int]
+    ) -> None:
+        """Remember a text's cuts, its ids stored once; the least recently used entries go
+        while the whole is over ``capacity_bytes`` (a text too big for it is not kept)."""
+        size = 4 * len(ids) + 64
+        if size + self.ENTRY_BYTES > self.capacity_bytes:
+            return
+        try:
+            stored = array("I", ids)
+        except OverflowError:  # an id beyond 32 bits: no tokenizer has one, but then no cache
+            return
+        with self._lock:
+            shared = [stored, 0]
+            self._shared[id(stored)] = shared
+            self.bytes += size
+            for key, (cut, count) in entries:
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._release(old[1])
+                self._entries[key] = (cut, stored, count)
+                shared[1] += 1
+                self.bytes += self.ENTRY_BYTES
+            while self.bytes > self.capacity_bytes and self._entries:
+                self._release(self._entries.popitem(last=False)[1][1])
+
+    def _release(self, ids: array[int]) -> None:
+        self.bytes -= self.ENTRY_BYTES
+        shared = self._shared[id(ids)]
+        shared[1] -= 1
+        if not shared[1]:
+            del self._shared[id(ids)]
+            self.bytes -= 4 * len(ids) + 64
 
     def _chunk_keys(self, text: str) -> list[tuple[int, bytes]]:
         h = hashlib.blake2b(digest_size=16)

@@ -390,6 +390,21 @@ class WorkerPool:
                     out.add(s.model)
         return out
 
+    def context_tokens(self) -> int | None:
+        """The longest prompt an up worker takes: its ``max_model_len``, from its info (a
+        kvpool worker) or its ``/v1/models`` card (vLLM); ``None`` while no worker said."""
+        lengths = []
+        for s in self.workers.values():
+            if s.status == "up":
+                if s.info is not None:
+                    lengths.append(s.info.max_model_len)
+                lengths += [
+                    n
+                    for c in s.cards
+                    if isinstance(n := c.get("max_model_len"), int) and not isinstance(n, bool)
+                ]
+        return max(lengths, default=None)
+
     def model_cards(self) -> list[dict[str, Any]]:
         """The up workers' ``/v1/models`` cards, one per id (the first seen), by id, each as
         its worker sent it (``parent``, ``root``, ``max_model_len`` and all)."""

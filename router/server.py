@@ -47,7 +47,13 @@ from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
 from kvpool.httpguard import BodyError, HttpLimits, guarded_protocol, read_body
 from kvpool.openai_api import OpenAIError, exception_handlers
-from kvpool.tokenization import PrefixTokenCache, encode_prompt, load_tokenizer, render_chat_text
+from kvpool.tokenization import (
+    PrefixTokenCache,
+    PromptTooLong,
+    encode_within,
+    load_tokenizer,
+    render_chat_text,
+)
 
 from .admission import Gate, Pass
 from .affinity import SessionAffinity
@@ -212,7 +218,9 @@ class Router:
     async def start(self) -> None:
         s = self.settings
         self.tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
-        self.token_cache = PrefixTokenCache(self.tokenizer)
+        self.token_cache = PrefixTokenCache(
+            self.tokenizer, capacity_bytes=int(s.token_cache_mib * 2**20)
+        )
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
         self.upstream = aiohttp.ClientSession(
@@ -703,15 +711,29 @@ class Router:
     ) -> tuple[int, list[int], str | None]:
         """The prompt's token count, its block keys and why they cover less than all of it.
         A chat (its template rendered) and a long prompt are done in a thread: hashing
-        alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed."""
+        alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed.
+
+        A prompt over the workers' context is refused (400) from its beginning: the router
+        tokenizes about a context's worth of it, not all of it, and keeps none of it. With
+        ``truncate_prompt_tokens`` the worker keeps the prompt's end, so it is not refused."""
         cache = self.token_cache
         tokenizer = self.tokenizer
+        truncate = fields.truncate_prompt_tokens
+        pool = self.pool
+        limit = None
+        if pool is not None and (truncate is None or truncate <= 0):
+            limit = pool.context_tokens()
+        param = "prompt" if fields.kind == "completion" else "messages"
 
-        def encode(text: str, special: bool) -> list[int]:
-            return encode_prompt(tokenizer, text, cache, add_special_tokens=special)
+        def encode(prompt: str | list[int], special: bool) -> list[int]:
+            try:
+                return encode_within(tokenizer, prompt, limit, cache, add_special_tokens=special)
+            except PromptTooLong as exc:
+                raise OpenAIError(
+                    400, str(exc), code="context_length_exceeded", param=param
+                ) from None
 
         def truncated(tokens: list[int]) -> list[int]:
-            truncate = fields.truncate_prompt_tokens
             if truncate is not None and truncate > 0:
                 return tokens[-truncate:]  # vLLM keeps the prompt's last tokens
             return tokens
@@ -726,9 +748,7 @@ class Router:
 
             def work() -> tuple[int, list[int], str | None]:
                 try:
-                    tokens = encode_prompt(
-                        tokenizer, first, cache, add_special_tokens=fields.add_special_tokens
-                    )
+                    tokens = encode(first, fields.add_special_tokens)
                 except _UNTOKENIZABLE as exc:
                     return 0, [], f"no cache credit: the prompt does not tokenize ({exc})"
                 tokens = truncated(tokens)

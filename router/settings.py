@@ -78,6 +78,9 @@ class RouterSettings(BaseModel):
     connect_timeout_s: float = Field(2.0, gt=0)
     max_concurrency: int = Field(1024, ge=1)
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
+    # the token ids of recent prompts' beginnings, kept so that a prompt beginning like one
+    # of them is tokenized only past that beginning: at most this much memory
+    token_cache_mib: float = Field(64.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     # tenants and keys: a YAML or JSON file of tenants (a mounted Secret, see tenants.py),
     # read again when it changes; without it no key is asked for

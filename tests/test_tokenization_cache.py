@@ -11,7 +11,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.tokenization import PrefixTokenCache, load_tokenizer
+from kvpool.tokenization import (
+    CHARS_PER_TOKEN_BOUND,
+    PrefixTokenCache,
+    PromptTooLong,
+    encode_within,
+    load_tokenizer,
+)
 
 CORPUS = [
     "the order ships within two days unless the item is made to order",
@@ -136,7 +142,7 @@ def test_ids_are_the_tokenizers_for_texts_sharing_beginnings(
     picks: list[tuple[int, int, str, bool]],
 ) -> None:
     tokenizer = tokenizers_by_kind[kind]
-    cache = PrefixTokenCache(tokenizer, capacity=64)
+    cache = PrefixTokenCache(tokenizer, capacity_bytes=64 * 1024)
     for which, keep, tail, special in picks:
         text = bases[which % len(bases)][:keep] + tail
         assert cache.encode(text, add_special_tokens=special) == tokenizer.encode(
@@ -144,9 +150,82 @@ def test_ids_are_the_tokenizers_for_texts_sharing_beginnings(
         )
 
 
-def test_the_cache_stays_within_its_capacity(tokenizers_by_kind: dict[str, Any]) -> None:
+def test_the_cache_stays_within_its_bytes_and_counts_them_right(
+    tokenizers_by_kind: dict[str, Any],
+) -> None:
     tokenizer = tokenizers_by_kind["tiny (byte-level)"]
-    cache = PrefixTokenCache(tokenizer, capacity=10)
-    for i in range(30):
-        cache.encode(f"Document {i}: " + " ".join(CORPUS[i % 4 :][:10]))
-    assert len(cache._entries) <= 10
+    cache = PrefixTokenCache(tokenizer, capacity_bytes=48 * 1024)
+    texts = [f"Document {i}: " + " ".join(CORPUS[i % 4 :][:40]) for i in range(60)]
+    for text in texts:
+        assert cache.encode(text) == tokenizer.encode(text)
+        assert 0 < cache.bytes <= cache.capacity_bytes
+        # the count is what the entries really hold: each text's ids once, 4 bytes an id
+        arrays = {id(v[1]): v[1] for v in cache._entries.values()}
+        held = sum(4 * len(a) + 64 for a in arrays.values())
+        assert cache.bytes == held + len(cache._entries) * cache.ENTRY_BYTES
+    assert cache.misses == 60
+    # the latest texts are still there; the first ones went
+    hits = cache.hits
+    cache.encode(texts[-1] + " and more")
+    assert cache.hits == hits + 1
+    cache.encode(texts[0] + " and more")
+    assert cache.hits == hits + 1
+
+
+def test_a_text_bigger_than_the_cache_is_not_kept(tokenizers_by_kind: dict[str, Any]) -> None:
+    tokenizer = tokenizers_by_kind["tiny (byte-level)"]
+    cache = PrefixTokenCache(tokenizer, capacity_bytes=4 * 1024)
+    text = " ".join(CORPUS)
+    assert cache.encode(text) == tokenizer.encode(text)
+    assert cache.bytes == 0 and not cache._entries
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts the characters it was given to encode."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.chars = inner, 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.chars += len(text)
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_prompt_far_over_the_context_is_refused_from_its_beginning(
+    tokenizers_by_kind: dict[str, Any],
+) -> None:
+    tokenizer = _CountingTokenizer(tokenizers_by_kind["tiny (byte-level)"])
+    huge = " ".join(CORPUS) * 200  # ~1.6 MB
+    with pytest.raises(PromptTooLong) as err:
+        encode_within(tokenizer, huge, 512)
+    assert "maximum context length is 512 tokens" in str(err.value)
+    assert f"of {len(huge):,} characters" in str(err.value)
+    # about a context's worth of characters was tokenized, not the text
+    assert tokenizer.chars <= 512 * CHARS_PER_TOKEN_BOUND
+    # a prompt within the context is tokenized whole, exactly
+    text = " ".join(CORPUS[:8])
+    assert encode_within(tokenizer, text, 512) == tokenizer.inner.encode(text)
+    # just over: refused with its real count
+    over = tokenizer.inner.encode(text)
+    with pytest.raises(PromptTooLong, match=f"has {len(over):,} tokens"):
+        encode_within(tokenizer, text, len(over) - 1)
+    # token ids are counted, not tokenized
+    with pytest.raises(PromptTooLong):
+        encode_within(tokenizer, list(range(600)), 512)
+    assert encode_within(tokenizer, [1, 2, 3], 512) == [1, 2, 3]
+
+
+class _LongTokens:
+    """A tokenizer whose every token covers 100 characters (runs of spaces or of '=' do
+    in real vocabularies): a text far longer than the context in characters fits in it."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(-(-len(text) // 100)))
+
+
+def test_a_long_text_of_long_tokens_within_the_context_is_not_refused() -> None:
+    text = "=" * 40_000  # 400 tokens, 100 times the context's count in characters
+    assert len(text) > 500 * CHARS_PER_TOKEN_BOUND
+    assert len(encode_within(_LongTokens(), text, 500)) == 400
+    with pytest.raises(PromptTooLong, match="has 400 tokens"):
+        encode_within(_LongTokens(), text, 399)

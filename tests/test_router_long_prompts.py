@@ -1,0 +1,89 @@
+"""Long prompts through a router process: a prompt far over the context is refused from its
+beginning, with OpenAI's context error, and what the router keeps of prompts stays within
+its configured bound however many huge ones it is sent."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpool.stack import free_port, wait_healthy
+
+pytestmark = pytest.mark.timeout(300)
+
+WORDS = "order ships within two days unless made returns accepted receipt café 東京".split()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def router_process(llama_dir: Path, worker_processes: Any) -> Any:
+    (worker,) = worker_processes(1)
+    port = free_port()
+    argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+    argv += ["router", "serve", "--model", str(llama_dir), "--port", str(port)]
+    argv += ["--worker", worker.url, "--token-cache-mib", "16"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, 90)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            for _ in range(100):  # until the worker is up in the router: a first answer
+                if client.post(
+                    "/v1/completions", json={"prompt": "hi", "max_tokens": 1}
+                ).is_success:
+                    break
+                time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def huge_prompt(rng: random.Random, size: int) -> str:
+    words = [rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(size // 8)]
+    return " ".join(words)[:size]
+
+
+def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_process) -> None:
+    url, proc = router_process
+    rng = random.Random(7)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        context = client.get("/v1/models").json()["data"][0]["max_model_len"]
+        # prompts that fill the token cache first, and one huge refusal, so the baseline
+        # holds what any router serving long prompts holds
+        for _ in range(4):
+            client.post("/v1/completions", json={"prompt": huge_prompt(rng, 2000), "max_tokens": 1})
+        baseline = rss_mib(proc.pid)
+        bound = 16 + 96  # the token cache's 16 MiB, and room for requests in flight
+        base = huge_prompt(rng, 3 * 2**20)  # 3 MB: far over the context
+        for i in range(100):
+            prompt = f"Request {i}: {base}"  # each one distinct from its first word
+            if i % 2:
+                body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]}
+                path, param = "/v1/chat/completions", "messages"
+            else:
+                body, path, param = {"prompt": prompt}, "/v1/completions", "prompt"
+            resp = client.post(path, json={**body, "max_tokens": 1})
+            assert resp.status_code == 400, resp.text[:300]
+            error = resp.json()["error"]
+            assert error["code"] == "context_length_exceeded" and error["param"] == param
+            assert f"maximum context length is {context:,} tokens" in error["message"]
+            grown = rss_mib(proc.pid) - baseline
+            assert grown <= bound, f"after {i + 1} prompts the router grew {grown:.0f} MiB"
+        # and it still serves
+        ok = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
