@@ -136,6 +136,8 @@ class LossyProxy:
         self.forwarded: list[int] = []
         self.last_seq = -1
         self.corrupt: set[int] = set()
+        self.duplicate: set[int] = set()  # sent twice, back to back
+        self.sent: dict[int, list[bytes]] = {}  # what went out, by sequence number
         self._inject: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -164,7 +166,10 @@ class LossyProxy:
             if seq in self.corrupt:
                 frames = [frames[0], frames[1], b"\xc1 damaged in transit"]
             self.forwarded.append(seq)
+            self.sent[seq] = frames
             self._pub.send_multipart(frames)
+            if seq in self.duplicate:
+                self._pub.send_multipart(frames)
 
     def close(self) -> None:
         self._stop.set()

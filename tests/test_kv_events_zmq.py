@@ -193,6 +193,54 @@ async def test_a_payload_damaged_in_transit_is_fetched_again_from_the_publisher(
     assert sub.batches[-2].replayed
 
 
+@pytest.mark.parametrize("replay", [True, False], ids=["with replay", "without replay"])
+async def test_duplicated_batches_are_not_taken_for_a_restart(
+    make_publisher, collect, lossy_proxy, replay
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint if replay else None))
+    first = await prime(pub, sub)
+    proxy.duplicate |= {first + 1, first + 3}
+    for i in range(6):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 5)
+    # copies sent again much later, out of any replay: the same bytes as batches consumed
+    for seq in (first, first + 1, first + 4, first + 2, first + 2, first + 2):
+        proxy.inject(proxy.sent[seq])
+    pub.publish([stored(6)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 6)
+
+    assert not sub.resyncs
+    assert sub.sub.stats.duplicates == 8
+    assert [b.batch.events for b in sub.batches[-7:]] == [[stored(i)] for i in range(7)]
+
+
+async def test_a_damaged_copy_and_a_damaged_number_are_dropped_without_a_resync(
+    make_publisher, collect, lossy_proxy
+) -> None:
+    pub = make_publisher()
+    proxy = lossy_proxy(pub.endpoint)
+    sub = collect(EventSubscriber(proxy.endpoint, pub.replay_endpoint))
+    first = await prime(pub, sub)
+    for i in range(3):
+        pub.publish([stored(i)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 2)
+    topic = proxy.sent[first][0]
+    other = msgspec.msgpack.encode([1.0, [["BlockRemoved", [77], None]], 0])
+    proxy.inject([topic, encode_seq(first + 1), other])  # behind, with other bytes
+    proxy.inject([topic, encode_seq(first + 1_000_000), other])  # far ahead: a bad number
+    pub.publish([stored(3)])
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 3)
+    pub.publish([stored(4)])  # read after the stray ones are dealt with
+    await sub.wait_until(lambda: sub.seqs[-1] == first + 4)
+
+    assert not sub.resyncs
+    assert sub.sub.stats.stale_messages == 2
+    assert [b.batch.events for b in sub.batches[-5:]] == [[stored(i)] for i in range(5)]
+    assert all(BlockRemoved(block_hashes=[77]) not in b.batch.events for b in sub.batches)
+
+
 async def test_a_payload_the_publisher_itself_cannot_give_signals_resync(collect) -> None:
     """A raw PUB socket with no replay behind it stands for a broken publisher."""
     ctx = zmq.asyncio.Context.instance()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ class SubscriberStats:
     disconnects: int = 0
     continuity_checks: int = 0
     handshake_failures: int = 0  # the publisher refused us (credential or mechanism)
+    #: messages out of sequence that the publisher's replay showed not to be its stream's
+    #: (a damaged or stray copy): dropped, with no resync
+    stale_messages: int = 0
+
+
+#: how many recent batches' digests a subscriber keeps, to know a late copy of one
+RECENT_DIGESTS = 1024
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 class Verdict(enum.Enum):
@@ -225,6 +237,14 @@ class EventSubscriber:
         self._last_payload: bytes | None = None
         self._catch_up_pending = start_seq is not None
         self._replay_failing = False
+        # Digests of the batches consumed lately, by sequence number: a copy of one that
+        # comes again (a network or proxy duplicate) is known for what it is.
+        self._recent: dict[int, bytes] = {}
+        # What the last continuity check found: "same" (the stream consumed so far, whose
+        # newest batch is _replay_newest), "restarted" or "resynced" (it said so, and read
+        # the stream afresh), or None (it could not tell).
+        self._check: str | None = None
+        self._replay_newest: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -354,10 +374,25 @@ class EventSubscriber:
             self.stats.duplicates += 1
             return
         if verdict is Verdict.RESTART:
+            if self._recent.get(seq) == _digest(payload):
+                self.stats.duplicates += 1  # a copy of a batch consumed lately
+                return
+            # A step back with bytes not seen there: a damaged or stray copy, or a publisher
+            # that started again. Its replay buffer tells which, where it has one.
             previous = tracker.last
-            self._restart()
-            yield self._resync(f"publisher restarted: sequence went from {previous} back to {seq}")
-            verdict = tracker.classify(seq, live=True)
+            async for item in self._resume(strict=False):
+                yield item
+            if self._check == "same":
+                self._stale(seq, "it is behind the stream, which has not restarted")
+                return
+            if self._check is None:  # it cannot be told: what is known may be wrong
+                self._restart()
+                yield self._resync(
+                    f"publisher restarted: sequence went from {previous} back to {seq}"
+                )
+            async for item in self._accept(seq, payload, replayed=False):
+                yield item
+            return
         known_bad = False
         if verdict is Verdict.NEXT:
             batch = self._decode(seq, payload)
@@ -375,9 +410,21 @@ class EventSubscriber:
             )
         async for item in self._resume(strict=False):
             yield item
+        newest = self._replay_newest
+        if self._check == "same" and newest is not None and seq > newest:
+            # The publisher sends a batch only once it is in its buffer: this number was
+            # never sent by it (a damaged sequence frame). Nothing was lost.
+            self._stale(seq, f"the publisher's newest batch is {newest}")
+            return
         # Whatever the replay did not cover is lost; a duplicate now means it was covered.
         async for item in self._accept(seq, payload, replayed=False, known_bad=known_bad):
             yield item
+
+    def _stale(self, seq: int, why: str) -> None:
+        self.stats.stale_messages += 1
+        logger.warning(
+            "KV events from %s: dropped a stray batch numbered %d: %s", self.name, seq, why
+        )
 
     async def _accept(
         self, seq: int, payload: bytes, *, replayed: bool, known_bad: bool = False
@@ -430,6 +477,7 @@ class EventSubscriber:
         ``strict``: after a (re)connection, where not being able to check is itself a
         reason to resync; otherwise (a gap, an idle stream) the caller copes with a failure.
         """
+        self._check = self._replay_newest = None
         last = self.tracker.last
         if last is None:
             return  # nothing consumed yet: nothing to be wrong about
@@ -457,6 +505,7 @@ class EventSubscriber:
         head = messages[0] if messages else None
         if head is not None and head[0] == last:
             if self._last_payload is None or head[1] == self._last_payload:
+                self._check, self._replay_newest = "same", messages[-1][0]
                 # What came after: missed, or not read yet.
                 async for item in self._accept_replayed(messages[1:]):
                     yield item
@@ -469,11 +518,13 @@ class EventSubscriber:
             )
             self.tracker.consume(head[0] - 1, replayed=True)
             self._last_payload = None
+            self._check = "resynced"
             async for item in self._accept_replayed(messages):
                 yield item
             return
         newest = messages[-1][0] if messages else "nothing"
         self._restart()
+        self._check = "restarted"
         yield self._resync(
             f"publisher restarted: it holds {newest} where batch {last} was consumed"
         )
@@ -541,6 +592,7 @@ class EventSubscriber:
     def _restart(self) -> None:
         self.tracker.restart()
         self._last_payload = None
+        self._recent.clear()
 
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
         try:
@@ -556,6 +608,10 @@ class EventSubscriber:
     def _deliver(self, seq: int, payload: bytes, batch: EventBatch, *, replayed: bool) -> Received:
         self.tracker.consume(seq, replayed=replayed)
         self._last_payload = payload
+        recent = self._recent
+        recent[seq] = _digest(payload)
+        if len(recent) > RECENT_DIGESTS:
+            del recent[next(iter(recent))]
         stats = self.stats
         stats.batches += 1
         stats.events += len(batch.events)
