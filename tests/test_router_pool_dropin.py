@@ -445,6 +445,72 @@ def test_parse_load_reads_the_itl_histogram_beside_the_gauges() -> None:
     assert load["vllm:num_requests_waiting"] == 3
 
 
+def vllm_metrics_page(engines: int = 2, families: int = 40) -> str:
+    """A /metrics page the size of vLLM's: many histogram families of many buckets per
+    engine, the load series among them, lookalike names and comments that name them."""
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    labels = ["engine", "model_name"]
+    buckets = [0.001 * 2**i for i in range(30)]
+    for f in range(families):
+        h = Histogram(
+            f"vllm:family_{f}_seconds", "a histogram", labels, registry=registry, buckets=buckets
+        )
+        for e in range(engines):
+            h.labels(str(e), "m").observe(0.01 * (f + 1))
+    itl = Histogram(ITL_NAME, "itl", labels, registry=registry, buckets=buckets)
+    gauges = {
+        name: Gauge(name, f"{name} (not vllm:num_requests_waiting 99)", labels, registry=registry)
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:num_requests_waiting_by_reason",
+        )
+    }
+    for e in range(engines):
+        gauges["vllm:num_requests_running"].labels(str(e), "m").set(3 + e)
+        gauges["vllm:num_requests_waiting"].labels(str(e), "m").set(2)
+        gauges["vllm:kv_cache_usage_perc"].labels(str(e), "m").set(0.25 * (e + 1))
+        gauges["vllm:num_requests_waiting_by_reason"].labels(str(e), "m").set(1000)
+        for _ in range(10):
+            itl.labels(str(e), "m").observe(0.02)
+    return generate_latest(registry).decode()
+
+
+ITL_NAME = "vllm:inter_token_latency_seconds"
+
+
+def test_parse_load_reads_only_its_series_from_a_vllm_size_page() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = vllm_metrics_page()
+    assert len(page) > 100_000
+    load = parse_load(page)
+    assert load == {
+        "vllm:num_requests_running": 7.0,
+        "vllm:num_requests_waiting": 4.0,
+        "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:inter_token_latency_seconds_sum": pytest.approx(0.4),
+        "vllm:inter_token_latency_seconds_count": 20.0,
+    }
+    # the same numbers as a full parse of the page
+    full = {
+        s.name: s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.labels.get("engine") == "1"
+    }
+    assert full["vllm:num_requests_running"] == 4.0
+    # samples that say nothing of load are left out; a page without the series says nothing
+    assert parse_load('vllm:num_requests_running{engine="0"} NaN\n') == {}
+    assert parse_load("# HELP vllm:num_requests_running 5\nfoo 1\n") == {}
+    assert parse_load('vllm:num_requests_running{a="}"} 2 1700000000\n') == {
+        "vllm:num_requests_running": 2.0
+    }
+
+
 def test_streamed_gaps_average_with_weight_a_tenth() -> None:
     state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
     state.observe_itl(0.01)
