@@ -115,8 +115,10 @@ def serve_stub_workers(base_port: int, count: int) -> None:
         reason = b"OK" if status == 200 else b"Not Found"
         return head % (status, reason, kind, len(body)) + body
 
-    def completion(body: bytes) -> bytes:
+    def completion(body: bytes, chat: bool = False) -> bytes:
         req = json.loads(body)
+        if chat and req.get("stream"):
+            return chat_stream(int(req.get("max_tokens") or 16))
         n = int(req.get("max_tokens") or 16)
         rid = "cmpl-" + uuid.uuid4().hex
         if not req.get("stream"):
@@ -131,6 +133,20 @@ def serve_stub_workers(base_port: int, count: int) -> None:
             choice = {"index": 0, "text": " tok", "finish_reason": "length" if i == n - 1 else None}
             event = {"id": rid, "object": "text_completion", "created": 0, "model": MODEL_NAME}
             data = b"data: " + json.dumps(event | {"choices": [choice]}).encode() + b"\n\n"
+            parts.append(b"%x\r\n%s\r\n" % (len(data), data))
+        parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        return b"".join(parts)
+
+    def chat_stream(n: int) -> bytes:
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        parts = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"]
+        parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(n):
+            delta = {"role": "assistant", "content": " tok"} if i == 0 else {"content": " tok"}
+            choice = {"index": 0, "delta": delta, "finish_reason": "length" if i == n - 1 else None}
+            event = {"id": rid, "object": "chat.completion.chunk", "created": 0}
+            event |= {"model": MODEL_NAME, "choices": [choice]}
+            data = b"data: " + json.dumps(event).encode() + b"\n\n"
             parts.append(b"%x\r\n%s\r\n" % (len(data), data))
         parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         return b"".join(parts)
@@ -164,6 +180,8 @@ def serve_stub_workers(base_port: int, count: int) -> None:
             path = self.url.split(b"?", 1)[0]
             if path == b"/v1/completions" and self.parser.get_method() == b"POST":
                 self.transport.write(completion(b"".join(self.body)))
+            elif path == b"/v1/chat/completions" and self.parser.get_method() == b"POST":
+                self.transport.write(completion(b"".join(self.body), chat=True))
             elif path in fixed:
                 kind = b"text/plain" if path == b"/metrics" else b"application/json"
                 self.transport.write(whole(200, fixed[path], kind))
@@ -737,6 +755,135 @@ async def part_one(
     return results, setup
 
 
+# -- part 3: long prompts ----------------------------------------------------------------------
+
+LONG_SIZES = {"1k": 1024, "4k": 4096, "16k": 16384}
+
+
+async def one_request(client: Client, payload: bytes) -> _Request:
+    """Send one request and wait for its answer; its times are on the returned request."""
+    done = asyncio.get_running_loop().create_future()
+    client.on_done = lambda r: done.done() or done.set_result(r)
+    client.submit(_Request(time.monotonic()), payload)
+    return await done
+
+
+async def long_prompts(
+    target: Target, prompts: dict[str, list[bytes]], huge: bytes, small: list[bytes]
+) -> dict[str, Any]:
+    """Streamed chats of each size one at a time on an idle fleet: time to the first body
+    byte, median. Then a huge prompt among small requests sent every 10 ms: its answer
+    time and the small requests' worst latency, beside theirs before it."""
+    client = Client(target.ports)
+    out: dict[str, Any] = {"ttfb_ms": {}, "headers_ms": {}}
+    try:
+        for payload in small[:5]:  # warm: connections, the router's own first requests
+            await one_request(client, payload)
+        for size, payloads_ in prompts.items():
+            times, heads = [], []
+            for payload in payloads_:
+                r = await one_request(client, payload)
+                assert r.status == 200, f"{target.label}: {size} prompt answered {r.status}"
+                times.append((r.first - r.sent) * 1000)
+                heads.append((r.headers - r.sent) * 1000)
+            out["ttfb_ms"][size] = statistics.median(times)
+            out["headers_ms"][size] = statistics.median(heads)
+        if target.name == "direct":
+            return out
+        client.on_done = None
+        latencies: list[tuple[float, float]] = []  # (sent, ms)
+        loop = asyncio.get_running_loop()
+
+        def done(r: _Request) -> None:
+            if r is huge_request:
+                huge_done.set_result(r)
+            else:
+                latencies.append((r.sent, (r.done - r.sent) * 1000))
+
+        huge_done: asyncio.Future[_Request] = loop.create_future()
+        huge_request = _Request(0.0)
+        client.on_done = done
+        start = time.monotonic()
+        for i in range(200):
+            if i == 50:
+                client.submit(huge_request, huge)
+            client.submit(_Request(time.monotonic()), small[i % len(small)])
+            await asyncio.sleep(0.01)
+        answer = await asyncio.wait_for(huge_done, 120)
+        await client.drain(30)
+        before = [ms for sent, ms in latencies if sent < huge_request.sent]
+        during = [ms for sent, ms in latencies if huge_request.sent <= sent <= answer.done]
+        out["huge"] = {
+            "status": answer.status,
+            "answer_ms": (answer.done - answer.sent) * 1000,
+            "small_p50_before_ms": statistics.median(before),
+            "small_max_before_ms": max(before),
+            "small_max_during_ms": max(during, default=0.0),
+            "small_during": len(during),
+            "elapsed_s": time.monotonic() - start,
+        }
+        return out
+    finally:
+        client.close()
+
+
+def chat_payload(text: str) -> bytes:
+    body = {"model": MODEL_NAME, "max_tokens": 4, "stream": True}
+    body["messages"] = [{"role": "user", "content": text}]
+    return http_post("/v1/chat/completions", body)
+
+
+async def part_three(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
+    from kvpool.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    rng = random.Random(3)
+    prompts: dict[str, list[bytes]] = {}
+    tokens: dict[str, float] = {}
+    base = " ".join(rng.choices(WORDS, k=40_000))
+    for size, n in LONG_SIZES.items():
+        ids = tokenizer.encode(base)[:n]
+        text = tokenizer.decode(ids)
+        # each prompt distinct from its first word: nothing cached, the worst case
+        texts = [f"Conversation {size}-{i}: {text}" for i in range(args.long_prompts)]
+        prompts[size] = [chat_payload(t) for t in texts]
+        tokens[size] = statistics.mean(len(tokenizer.encode(t)) for t in texts)
+    huge_text = f"Huge: {base} " * (4 * 2**20 // (len(base) + 1))
+    huge = chat_payload(huge_text[: 4 * 2**20])
+    small, _ = request_mix(tokenizer, 50, 0, (20, 60), seed=5)
+    small_payloads = payloads(small, False, 4)
+
+    base_port = free_ports(args.workers)
+    stub = start(
+        [sys.executable, ME, "--stub-workers", str(base_port), str(args.workers)],
+        None,
+        logs / "stub-workers-long.log",
+    )
+    ports = [base_port + i for i in range(args.workers)]
+    workers = [f"http://{HOST}:{p}" for p in ports]
+    out: dict[str, Any] = {"prompt_tokens": tokens, "huge_bytes": len(huge)}
+    try:
+        for url in workers:
+            wait_until(lambda url=url: get(url + "/health")[0] == 200, stub, "the stub workers")
+        for name in ("direct", "kvpool", "sglang"):
+            if name == "direct":
+                target = Target("direct", "straight to the workers", ports)
+            else:
+                target = await asyncio.to_thread(start_router, name, model, workers, None, logs)
+            print(f"long prompts: {target.label}", file=sys.stderr, flush=True)
+            try:
+                out[name] = await long_prompts(target, prompts, huge, small_payloads)
+            finally:
+                if target.proc is not None:
+                    stop(target.proc)
+    finally:
+        stop(stub)
+    for name in ("kvpool", "sglang"):
+        for key, times in (("added_ttft_ms", "ttfb_ms"), ("added_headers_ms", "headers_ms")):
+            out[name][key] = {k: out[name][times][k] - out["direct"][times][k] for k in LONG_SIZES}
+    return out
+
+
 # -- part 2: decision time --------------------------------------------------------------------
 
 
@@ -970,6 +1117,39 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.1f}x" if b > 0 and a == a and b == b else "-"
 
 
+def render_long(long: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The long-prompt table and the huge prompt's lines."""
+    kv, sg, di = long["kvpool"], long["sglang"], long["direct"]
+    rows = [
+        f"| streamed chat, {args.long_prompts} distinct prompts a size, one at a time "
+        "| tokens | straight to the workers: first byte, ms | kvpool: added, ms "
+        "| SGLang: added, ms | kvpool / SGLang | SGLang: added to its headers, ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in LONG_SIZES:
+        a, b = kv["added_ttft_ms"][size], sg["added_ttft_ms"][size]
+        rows.append(
+            f"| {size} | {long['prompt_tokens'][size]:,.0f} | {_ms(di['ttfb_ms'][size])} "
+            f"| {_ms(a)} | {_ms(b)} | {_ratio(a, b)} | {_ms(sg['added_headers_ms'][size])} |"
+        )
+    mb = long["huge_bytes"] / 2**20
+    rows += [
+        "",
+        f"| a {mb:.1f} MB chat prompt among small requests every 10 ms | its answer "
+        "| its answer, ms | small requests' worst latency meanwhile, ms "
+        "| small requests before it: p50 / worst, ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, label in (("kvpool", "kvpool router"), ("sglang", "SGLang router")):
+        h = long[name]["huge"]
+        rows.append(
+            f"| {label} | {h['status']} | {h['answer_ms']:,.1f} | "
+            f"{h['small_max_during_ms']:,.1f} ({h['small_during']} requests) | "
+            f"{h['small_p50_before_ms']:.2f} / {h['small_max_before_ms']:.2f} |"
+        )
+    return rows
+
+
 def render(
     fig: dict[str, Any], decision: dict[str, Any], setup: dict[str, Any], args: argparse.Namespace
 ) -> tuple[str, dict[str, bool]]:
@@ -1031,6 +1211,12 @@ def render(
         "decision_p99": d["decision_ms"]["p99"] <= GOAL_DECISION_P99_MS,
         "rate": kv["max_rps"] >= GOAL_RATE_RATIO * sg["max_rps"],
     }
+    long = setup.get("long")
+    if long is not None:
+        goals["long_prompts"] = all(
+            long["kvpool"]["added_ttft_ms"][k] <= long["sglang"]["added_ttft_ms"][k]
+            for k in LONG_SIZES
+        )
 
     def met(ok: bool) -> str:
         return "met" if ok else "**missed**"
@@ -1045,6 +1231,11 @@ def render(
         f"- sustained rate within 2x of the SGLang router's: {met(goals['rate'])} "
         f"({kv['max_rps']:,.0f} vs {sg['max_rps']:,.0f} req/s)",
     ]
+    if long is not None:
+        goal_lines.append(
+            "- added TTFT of 1k, 4k and 16k-token streamed chats at most the SGLang router's: "
+            f"{met(goals['long_prompts'])}"
+        )
     cores = setup["cores"]
     others = [x for f in fig.values() for x in f["others_cores"]]
     load = setup["loadavg"]
@@ -1122,6 +1313,7 @@ def render(
             "",
             *drows,
             "",
+            *(["## Long prompts", "", *render_long(long, args), ""] if long else []),
             "## Goals",
             "",
             *goal_lines,
@@ -1184,11 +1376,15 @@ def main() -> int:
     parser.add_argument("--indexed-blocks", type=int, default=1_000_000)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    parser.add_argument("--long-prompts", type=int, default=15, help="prompts per size")
     parser.add_argument("--quick", action="store_true", help="a smoke run (~2 min)")
+    parser.add_argument(
+        "--only-long", action="store_true", help="only the long-prompt part, printed, not saved"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.phase_s, args.short_phase_s, args.warmup_s = 1, 3.0, 2.0, 1.0
-        args.step_s, args.decisions = 2.0, 300
+        args.step_s, args.decisions, args.long_prompts = 2.0, 300, 5
 
     started, load_start = time.monotonic(), os.getloadavg()[0]
     import tempfile
@@ -1200,7 +1396,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
         logs = Path(tmp)
         try:
+            if args.only_long:
+                long = uvloop.run(part_three(args, args.model.resolve(), logs))
+                print("\n".join(render_long(long, args)))
+                return 0
             results, setup = uvloop.run(part_one(args, args.model.resolve(), logs))
+            print("long prompts", file=sys.stderr, flush=True)
+            setup["long"] = uvloop.run(part_three(args, args.model.resolve(), logs))
         except Exception:
             for log in sorted(logs.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
@@ -1233,6 +1435,9 @@ def main() -> int:
         "direct_max_rps": fig["direct"]["max_rps"],
         "router_cpu_ms_per_request": kv["main_cpu_ms_per_request"]["router"],
         "sglang_cpu_ms_per_request": sg["main_cpu_ms_per_request"]["router"],
+        "long_prompt_added_ttft_ms": setup["long"]["kvpool"]["added_ttft_ms"],
+        "sglang_long_prompt_added_ttft_ms": setup["long"]["sglang"]["added_ttft_ms"],
+        "huge_prompt": {k: setup["long"][k]["huge"] for k in ("kvpool", "sglang")},
         "goals": goals,
         "date": str(dt.date.today()),
         "machine": machine,
