@@ -240,6 +240,9 @@ class PrefixTokenCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        # What the tokenizer puts before a text's own tokens (a BOS), with and without its
+        # special tokens: the cache checks it adds nothing after them
+        self._prefix: dict[bool, list[int]] = {}
         self.enabled = self.backend is not None and self._cuts_cleanly()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -255,22 +258,28 @@ class PrefixTokenCache:
                     break
         if hit is None:
             self.misses += 1
-            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
-            ids, starts, done = enc.ids, [o[0] for o in enc.offsets], 0
+            ids, start, done = list(self._prefix[add_special_tokens]), 0, 0
         else:
             self.hits += 1
             cut, cached, count = hit
-            tail = self.backend.encode(text[cut:], add_special_tokens=False)
-            ids = cached[:count].tolist() + tail.ids
-            starts = [-1] * count + [o[0] + cut for o in tail.offsets]
-            done = cut + 1
-        entries = []
+            ids, start, done = cached[:count].tolist(), cut, cut + 1
+        # Cut the rest at a word start near each chunk's end and tokenize the pieces in one
+        # batch: the Rust tokenizer spreads them over its threads, without the GIL, and
+        # each cut's token count is the length so far (no offsets to read back).
+        cuts = []
         for end, key in keys:
-            if end <= done:
-                continue
-            b = _word_cut(text, end - 2, max(end - self.CHUNK, done))
-            if b is not None:
-                entries.append(((add_special_tokens, key), (b, bisect_left(starts, b))))
+            if end > done:
+                b = _word_cut(text, end - 2, max(end - self.CHUNK, done))
+                if b is not None:
+                    cuts.append((key, b))
+        bounds = [start, *(b for _, b in cuts), len(text)]
+        pieces = [text[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
+        entries = []
+        for (key, b), enc in zip(cuts, encodings, strict=False):  # the piece before each cut
+            ids += enc.ids
+            entries.append(((add_special_tokens, key), (b, len(ids))))
+        ids += encodings[-1].ids
         if entries:
             self._keep(entries, ids)
         return ids
@@ -320,11 +329,16 @@ class PrefixTokenCache:
     def _cuts_cleanly(self) -> bool:
         """Whether every word boundary of the probe texts cuts their ids in two."""
         assert self.backend is not None
+        self._prefix = {
+            special: self.backend.encode("", add_special_tokens=special).ids
+            for special in (True, False)
+        }
         for text in _PROBES:
+            plain = self.backend.encode(text, add_special_tokens=False).ids
             for special in (True, False):
                 whole = list(self.tokenizer.encode(text, add_special_tokens=special))
                 enc = self.backend.encode(text, add_special_tokens=special)
-                if enc.ids != whole:
+                if enc.ids != whole or whole != self._prefix[special] + plain:
                     return False
                 starts = [o[0] for o in enc.offsets]
                 if starts != sorted(starts):
