@@ -75,6 +75,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -104,13 +105,20 @@ KVPOOL_POLICIES: dict[str, tuple[str, ...]] = {
     "prefix-only": ("--policy", "prefix-only"),
     "kvpool-no-affinity": ("--policy", "kvpool", "--affinity-weight", "0"),
 }
-POLICIES = (*KVPOOL_POLICIES, "sglang-router")
+#: two kvpool routers (the default policy) in front of the same workers, each sent every
+#: other request, as a Service in front of a two-replica router Deployment would
+REPLICAS = "kvpool-2-replicas"
+POLICIES = (*KVPOOL_POLICIES, "sglang-router", REPLICAS)
 #: what a run without ``--policies`` compares (kvpool-no-affinity only in ``--affinity``)
 DEFAULT_POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only", "sglang-router")
 #: ``--affinity``: session affinity on and off, beside the SGLang router, on the workload
 #: made of conversations
 AFFINITY_WORKLOAD = "multi-turn"
 AFFINITY_POLICIES = ("kvpool", "kvpool-no-affinity", "sglang-router")
+#: ``--replicas``: the workloads (at their two highest rates) and what is compared
+REPLICA_WORKLOADS = ("groups", "one-system-prompt")
+REPLICA_POLICIES = ("kvpool", REPLICAS)
+GOAL_REPLICAS = 0.10  # two replicas' TTFT p90 and hit ratio within this of one router's
 #: the header kvpool's router reads a conversation's id from (``--session-header``'s default)
 SESSION_HEADER = "x-session-id"
 
@@ -440,12 +448,22 @@ def kvpool_router_argv(
 
 def start_router(
     policy: str, model: Path, fleet: Fleet, tmp: Path, extra: list[str]
+) -> tuple[list[Any], list[str]]:
+    """The router(s) for ``policy``, their workers all up; ``extra``: more ``kvpool router
+    serve`` flags (trials of policy settings). Two for :data:`REPLICAS`."""
+    if policy == REPLICAS:
+        routers = [start_one_router("kvpool", model, fleet, tmp, extra, i) for i in range(2)]
+        return [r[0] for r in routers], [r[1] for r in routers]
+    proc, url = start_one_router(policy, model, fleet, tmp, extra)
+    return [proc], [url]
+
+
+def start_one_router(
+    policy: str, model: Path, fleet: Fleet, tmp: Path, extra: list[str], replica: int = 0
 ) -> tuple[Any, str]:
-    """The router for ``policy``, its workers all up; ``extra``: more ``kvpool router serve``
-    flags (trials of policy settings)."""
     port = free_ports(2)  # the router's, and the SGLang router's metrics port
     url = f"http://127.0.0.1:{port}"
-    log = tmp / f"router-{policy}.log"
+    log = tmp / f"router-{policy}-{replica}.log"
     n = len(fleet.workers)
     if policy == "sglang-router":
         argv = [sys.executable, "-m", "sglang_router.launch_router", "--policy", "cache_aware"]
@@ -497,11 +515,13 @@ async def scrape(http: Any, url: str) -> dict[str, float]:
         return parse_metrics(await r.read())
 
 
-async def drive(url: str, model: str, sessions: list[Session], workers: list[str]) -> dict:
-    """Replay the sessions against ``url``; sample the workers' busy gauges meanwhile."""
+async def drive(urls: list[str], model: str, sessions: list[Session], workers: list[str]) -> dict:
+    """Replay the sessions against ``urls`` (each request to the next in turn); sample the
+    workers' busy gauges meanwhile."""
     import aiohttp
 
     loop = asyncio.get_running_loop()
+    turns = itertools.count()
     records: list[tuple[float | None, int, float]] = []  # (ttft, output tokens, end)
     errors: list[str] = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -540,6 +560,7 @@ async def drive(url: str, model: str, sessions: list[Session], workers: list[str
             sent = loop.time()
             first = None
             finished = False
+            url = urls[next(turns) % len(urls)]
             try:
                 async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
                     if resp.status != 200:
@@ -652,7 +673,7 @@ def run_one(
     policy: str, sessions: list[Session], model: Path, fleet: Fleet, tmp: Path, extra: list[str]
 ) -> dict:
     reset_caches(fleet.workers)
-    router, url = start_router(policy, model, fleet, tmp, extra)
+    routers, urls = start_router(policy, model, fleet, tmp, extra)
     try:
         run = asyncio.run
         with contextlib.suppress(ImportError):
@@ -660,22 +681,23 @@ def run_one(
 
             run = uvloop.run
         pids = {
-            "router": [router.pid],
+            "router": [r.pid for r in routers],
             "fleet": [fleet.procs[0].pid],
         }
         cpu = {k: cpu_seconds(v) for k, v in pids.items()}
         cpu["client"] = time.process_time()
-        result = run(drive(url, model.name, sessions, fleet.workers))
+        result = run(drive(urls, model.name, sessions, fleet.workers))
         cpu["client"] = time.process_time() - cpu["client"]
-        if policy in KVPOOL_POLICIES:
-            result["decisions"] = router_decisions(url)
+        if policy in KVPOOL_POLICIES or policy == REPLICAS:
+            result["decisions"] = router_decisions(urls[0])
         for k, v in pids.items():
             cpu[k] = cpu_seconds(v) - cpu[k]
         # CPU cores each part used while the run lasted (this machine has os.cpu_count())
         result["cpu_cores"] = {k: v / result["seconds"] for k, v in cpu.items()}
         return result
     finally:
-        stop(router)
+        for router in routers:
+            stop(router)
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -757,7 +779,10 @@ def goals(workload: str, rows: dict[str, dict[str, dict[str, Any]]]) -> list[dic
 def describe_goal(g: dict[str, Any]) -> str:
     status = "**held**" if g["held"] else "**missed**"
     if "ratios" in g:
-        detail = ", ".join(f"{rate} req/s: {x:.2f}x" for rate, x in g["ratios"].items())
+        detail = ", ".join(
+            f"{rate} req/s: {x if isinstance(x, str) else f'{x:.2f}x'}"
+            for rate, x in g["ratios"].items()
+        )
     elif g["misses"]:
         parts = []
         for m in g["misses"]:
@@ -840,6 +865,45 @@ def affinity_table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
 MOONCAKE_NOTE = " (the Mooncake sample: its own arrival times, compressed to the rate)"
 
 
+def replica_figures(results: dict[str, Any]) -> dict[str, Any]:
+    """Two replicas against one router, per workload and rate: TTFT p90 and hit ratio as
+    ratios (two / one), the worst of each, and the goal (within :data:`GOAL_REPLICAS`)."""
+    rows = []
+    for workload, by_policy in results.items():
+        for rate, one in by_policy["kvpool"].items():
+            two = by_policy[REPLICAS][rate]
+            hit = two["hit_ratio"] / one["hit_ratio"] if one["hit_ratio"] else float("nan")
+            rows.append((workload, rate, two["ttft_p90"] / one["ttft_p90"], hit))
+    goal_list = []
+    for workload in results:
+        mine = [r for r in rows if r[0] == workload]
+        p90 = {rate: x for _, rate, x, _ in mine}
+        hit = {rate: y for _, rate, _, y in mine}
+        goal_list.append(
+            {
+                "workload": workload,
+                "goal": f"two replicas' TTFT p90 and hit ratio within {GOAL_REPLICAS:.0%} of "
+                "one router's",
+                "held": all(x <= 1 + GOAL_REPLICAS for x in p90.values())
+                and all(y >= 1 - GOAL_REPLICAS for y in hit.values()),
+                "held_within_noise": all(x <= 1 + GOAL_REPLICAS + NOISE_TTFT for x in p90.values())
+                and all(y >= 1 - GOAL_REPLICAS - NOISE_HIT for y in hit.values()),
+                "ratios": {
+                    rate: f"p90 {p90[rate]:.2f}x, hit ratio {hit[rate]:.2f}x" for rate in p90
+                },
+            }
+        )
+    return {
+        "p90_ratio_max": max(r[2] for r in rows),
+        "hit_ratio_ratio_min": min(r[3] for r in rows),
+        "by_run": [
+            {"workload": w, "rate": rate, "p90_ratio": x, "hit_ratio_ratio": y}
+            for w, rate, x, y in rows
+        ],
+        "goals": goal_list,
+    }
+
+
 def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> None:
     """The tables (printed, and ``<name>.md``), ``<name>.json`` and the plot, from the results
     and what the run recorded (``meta``; its ``name``: ``routing``, or ``affinity`` for
@@ -847,7 +911,10 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
     name = meta.get("name", "routing")
     workloads = list(results)
     notes = meta["notes"]
+    replicas = replica_figures(results) if name == "replicas" else None
     all_goals = {w: goals(w, results[w]) for w in workloads}
+    if replicas is not None:
+        all_goals = {w: [g for g in replicas["goals"] if g["workload"] == w] for w in workloads}
 
     def median_overhead(sglang: bool) -> float:
         xs = sorted(
@@ -874,7 +941,9 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         ),
     ]
     load_before, load_after = meta["load_average"]
-    title = "Session affinity" if name == "affinity" else "Routing quality"
+    title = {"affinity": "Session affinity", "replicas": "Two router replicas"}.get(
+        name, "Routing quality"
+    )
     header = (
         f"# {title} ({meta['date']}, {meta['machine'].split(', ')[0]}, "
         f"{meta['machine'].split(', ')[1]}, Python {meta['python']})\n\n"
@@ -927,8 +996,17 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         "path_overhead_ms_median": overhead,
         "units": "ttft_* in seconds, throughput in output tokens/s, hit_ratio 0..1",
     }
+    routing_json = out / "routing.json"
+    earlier = json.loads(routing_json.read_text()) if routing_json.is_file() else {}
+    if replicas is not None:
+        meta["replicas"] = replicas
+        if earlier:  # the figures the issue names, beside the routing run's own
+            earlier["replicas"] = {k: v for k, v in replicas.items() if k != "goals"}
+            routing_json.write_text(json.dumps(earlier, indent=2) + "\n")
+    elif name == "routing" and "replicas" in earlier:  # kept until the next --replicas run
+        results = {**results, "replicas": earlier["replicas"]}
     (out / f"{name}.json").write_text(json.dumps({**results, "meta": meta}, indent=2) + "\n")
-    plot(results, out / f"{name}.png")
+    plot({k: v for k, v in results.items() if k != "replicas"}, out / f"{name}.png")
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -956,6 +1034,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(AFFINITY_POLICIES)}; writes affinity.{{md,json,png}}",
     )
     parser.add_argument(
+        "--replicas",
+        action="store_true",
+        help=f"one kvpool router against two ({REPLICAS}) on {', '.join(REPLICA_WORKLOADS)} "
+        "at their two highest rates; writes replicas.{md,json,png} and the figures into "
+        "routing.json's 'replicas'",
+    )
+    parser.add_argument(
         "--router-args", default="", help="more `kvpool router serve` flags, for trials"
     )
     parser.add_argument("--out", type=Path, default=None, help="default bench/results")
@@ -978,10 +1063,14 @@ class Plan:
 
 
 def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
-    if args.affinity and (args.workloads or args.policies):
-        parser.error("--affinity runs its own workload and policies: no --workloads, --policies")
+    if (args.affinity or args.replicas) and (args.workloads or args.policies):
+        parser.error("--affinity and --replicas choose their workloads and policies")
+    if args.affinity and args.replicas:
+        parser.error("--affinity or --replicas, not both")
     if args.affinity:
         workloads, policies = [AFFINITY_WORKLOAD], list(AFFINITY_POLICIES)
+    elif args.replicas:
+        workloads, policies = list(REPLICA_WORKLOADS), list(REPLICA_POLICIES)
     else:
         workloads = (args.workloads or ",".join(WORKLOADS)).split(",")
         policies = (args.policies or ",".join(DEFAULT_POLICIES)).split(",")
@@ -992,6 +1081,8 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
         if name not in POLICIES:
             parser.error(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     rates = {w: RATES[w] for w in workloads}
+    if args.replicas:
+        rates = {w: RATES[w][-2:] for w in workloads}
     if args.rates:
         rates = {w: tuple(float(x) for x in args.rates.split(",")) for w in workloads}
     duration = args.duration
@@ -1001,7 +1092,7 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
     out = args.out or (
         Path(tempfile.gettempdir()) / "kvpool-bench-routing-quick" if args.quick else RESULTS
     )
-    name = "affinity" if args.affinity else "routing"
+    name = "affinity" if args.affinity else "replicas" if args.replicas else "routing"
     return Plan(name, workloads, policies, rates, duration, out)
 
 
@@ -1011,6 +1102,7 @@ def main() -> int:
     if args.render is not None:
         earlier = json.loads(args.render.read_text())
         meta = earlier.pop("meta")
+        earlier.pop("replicas", None)
         write_results(args.out or args.render.parent, earlier, meta)
         return 0
     run = plan(args, parser)
@@ -1039,7 +1131,8 @@ def main() -> int:
                     if rate == max(rates[workload]):
                         ideal[workload] = ideal_hit_ratio(words, sessions)
                     for policy in policies:
-                        extra = args.router_args.split() if policy in KVPOOL_POLICIES else []
+                        kvpool = policy in KVPOOL_POLICIES or policy == REPLICAS
+                        extra = args.router_args.split() if kvpool else []
                         r = run_one(policy, sessions, model, fleet, tmp, extra)
                         results[workload][policy][key] = r
                         print(

@@ -206,7 +206,7 @@ async def test_every_request_of_a_turn_sends_its_sessions_header(
             routing.Session((0.0, 0.01), ("a", "a b"), (1, 1), "mt7"),
             routing.Session((0.0,), ("c",), (1,)),
         ]
-        result = await routing.drive(url, "m", sessions, [url])
+        result = await routing.drive([url], "m", sessions, [url])
     finally:
         await runner.cleanup()
     assert result["errors"] == 0 and result["completed"] == 3
