@@ -106,7 +106,8 @@ KVPOOL_POLICIES: dict[str, tuple[str, ...]] = {
     "kvpool-no-affinity": ("--policy", "kvpool", "--affinity-weight", "0"),
 }
 #: two kvpool routers (the default policy) in front of the same workers, each sent every
-#: other request, as a Service in front of a two-replica router Deployment would
+#: other request, as a Service in front of a two-replica router Deployment would; they
+#: share their load and speculative entries (router/peers.py: --peer-bind, --peer)
 REPLICAS = "kvpool-2-replicas"
 POLICIES = (*KVPOOL_POLICIES, "sglang-router", REPLICAS)
 #: what a run without ``--policies`` compares (kvpool-no-affinity only in ``--affinity``)
@@ -451,8 +452,15 @@ def start_router(
 ) -> tuple[list[Any], list[str]]:
     """The router(s) for ``policy``, their workers all up; ``extra``: more ``kvpool router
     serve`` flags (trials of policy settings). Two for :data:`REPLICAS`."""
-    if policy == REPLICAS:
-        routers = [start_one_router("kvpool", model, fleet, tmp, extra, i) for i in range(2)]
+    if policy == REPLICAS:  # each binds its peer port and subscribes to the other's
+        base = free_ports(2)
+        peers = [f"tcp://127.0.0.1:{base + i}" for i in range(2)]
+        routers = [
+            start_one_router(
+                "kvpool", model, fleet, tmp, [*extra, "--peer-bind", me, "--peer", other], i
+            )
+            for i, (me, other) in enumerate([(peers[0], peers[1]), (peers[1], peers[0])])
+        ]
         return [r[0] for r in routers], [r[1] for r in routers]
     proc, url = start_one_router(policy, model, fleet, tmp, extra)
     return [proc], [url]

@@ -135,6 +135,12 @@ class WorkerState:
     # counted here, exported by the metrics collector: a removed worker's series go with it
     decisions: Counter[str] = field(default_factory=Counter)  # by reason
     mismatches: int = 0
+    #: what the other router replicas have on it (router.peers): requests in flight and
+    #: prompt tokens not yet prefilled, their rows summed, each written by its replica
+    peer_in_flight: int = 0
+    peer_queued: int = 0
+    #: told of this router's own load here whenever it changes (for the other replicas)
+    on_load: Callable[[WorkerState], None] | None = field(default=None, repr=False)
 
     @property
     def id(self) -> str:
@@ -166,8 +172,8 @@ class WorkerState:
             draining=self.endpoint.draining,
             breaker_open=self.breaker.is_open(now),
             compatible=self.compatible,
-            in_flight=self.in_flight,
-            queued_tokens=self.queued_tokens(now),
+            in_flight=self.in_flight + self.peer_in_flight,
+            queued_tokens=self.queued_tokens(now) + self.peer_queued,
             kv_usage=self.kv_usage if fresh else None,
             waiting=None if self.waiting is None or not fresh else int(self.waiting),
             prefill=self.prefill,
@@ -204,6 +210,8 @@ class WorkerState:
         )
         self.in_flight += 1
         self.queued[id(ticket)] = ticket
+        if self.on_load is not None:
+            self.on_load(self)
         return ticket
 
     def first_token(self, ticket: Ticket, now: float) -> float:
@@ -214,6 +222,8 @@ class WorkerState:
             self.queued.pop(id(ticket), None)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
+            if self.on_load is not None:
+                self.on_load(self)
         return ttft
 
     def finish_whole(
@@ -268,6 +278,8 @@ class WorkerState:
             ticket.ended = True
             self.in_flight -= 1
             self.queued.pop(id(ticket), None)
+            if self.on_load is not None:
+                self.on_load(self)
 
 
 @dataclass
@@ -310,6 +322,9 @@ class WorkerPool:
         # of single-engine workers, which keeps :meth:`match` to one pass over the index's
         self._rank_of: dict[str, tuple[str, int]] = {}
         self.changed = asyncio.Event()  # set when a worker becomes routable
+        #: the other router replicas (router.peers.PeerLink), when there are any
+        self.peers: Any = None
+        self._peer_load: dict[str, tuple[int, int]] = {}  # worker -> the peers' sums
 
     # -- membership (from discovery) ------------------------------------------------------
 
@@ -333,6 +348,9 @@ class WorkerPool:
             self._drop_rank(self.workers[owner[0]], owner[1])
         state = WorkerState(endpoint=endpoint)
         state.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
+        if self.peers is not None:
+            state.on_load = self._own_load_changed
+        state.peer_in_flight, state.peer_queued = self._peer_load.get(endpoint.id, (0, 0))
         self.workers[endpoint.id] = state
         state.tasks.append(asyncio.create_task(self._health_loop(state)))
         state.tasks.append(asyncio.create_task(self._scrape_loop(state)))
@@ -784,9 +802,47 @@ class WorkerPool:
     def speculate(self, worker_id: str, keys: list[int], rank: int | None = None) -> list[int]:
         """Count the chain as held by the worker (its ``rank``, when the router chose one)
         from now: see :meth:`BlockIndex.speculate`. Returns the keys added, for
-        :meth:`withdraw`; a worker gone meanwhile: nothing."""
+        :meth:`withdraw`; a worker gone meanwhile: nothing. The other router replicas are
+        told, and count it too."""
         iid = self._speculation_id(worker_id, rank, register=True)
-        return [] if iid is None else self.index.speculate(iid, keys)
+        if iid is None:
+            return []
+        if self.peers is not None:
+            self.peers.speculated(worker_id, rank, keys)
+        return self.index.speculate(iid, keys)
+
+    # -- the other router replicas ----------------------------------------------------------
+
+    def share_with(self, peers: Any) -> None:
+        """Tell ``peers`` (a :class:`router.peers.PeerLink`) this router's load and
+        speculations from now on."""
+        self.peers = peers
+        for state in self.workers.values():
+            state.on_load = self._own_load_changed
+
+    def _own_load_changed(self, state: WorkerState) -> None:
+        if self.peers is not None:
+            self.peers.load_changed(
+                state.id, state.in_flight, state.queued_tokens(time.monotonic())
+            )
+
+    def own_rows(self) -> dict[str, tuple[int, int]]:
+        """This router's load on every worker: (requests in flight, prompt tokens queued)."""
+        now = time.monotonic()
+        return {s.id: (s.in_flight, s.queued_tokens(now)) for s in self.workers.values()}
+
+    def peer_load(self, worker_id: str, in_flight: int, queued_tokens: int) -> None:
+        """The other replicas' load on a worker, summed (kept for a worker not seen yet)."""
+        self._peer_load[worker_id] = (in_flight, queued_tokens)
+        state = self.workers.get(worker_id)
+        if state is not None:
+            state.peer_in_flight, state.peer_queued = in_flight, queued_tokens
+
+    def peer_speculated(self, worker_id: str, rank: int | None, keys: list[int]) -> None:
+        """Another replica sent this chain to the worker: count it as this router would."""
+        iid = self._speculation_id(worker_id, rank, register=True)
+        if iid is not None:
+            self.index.speculate(iid, keys)
 
     def withdraw(self, worker_id: str, keys: list[int], rank: int | None = None) -> None:
         """Take back what :meth:`speculate` added for an attempt that never reached the

@@ -205,6 +205,7 @@ class Router:
         self.upstream: aiohttp.ClientSession | None = None
         self.model_name = s.model_name
         self.pool: WorkerPool | None = None
+        self.peers: Any = None  # the other router replicas (peers.PeerLink), if any
         self.metrics: RouterMetrics | None = None
         self.gate: Gate | None = None  # admission: tenants, limits, flow control
         self.draining = False
@@ -235,6 +236,20 @@ class Router:
             s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
         )
         pool = self.pool
+        if s.peer_bind:
+            from .peers import PeerLink
+
+            secret = s.pool_secret.get_secret_value() if s.pool_secret else None
+            self.peers = PeerLink(
+                s.peer_bind,
+                s.peer,
+                rows=pool.own_rows,
+                on_load=pool.peer_load,
+                on_speculated=pool.peer_speculated,
+                secret=secret,
+            )
+            self.peers.start()
+            pool.share_with(self.peers)
         self.metrics = RouterMetrics(lambda: list(pool.workers.values()), pool.indexed_blocks)
         self.gate = Gate(s, self.metrics, self._saturation)
         self.gate.start()
@@ -281,6 +296,8 @@ class Router:
                 await self._discovery_task
         if self.pool is not None:
             await self.pool.close()
+        if self.peers is not None:
+            await self.peers.close()
         if self.upstream is not None:
             await self.upstream.close()
 
@@ -361,6 +378,7 @@ class Router:
         app.add_route("/debug/route", self.debug_route, methods=["POST"])
         app.add_route("/debug/workers", self.debug_workers, methods=["GET"])
         app.add_route("/debug/index", self.debug_index, methods=["GET"])
+        app.add_route("/debug/peers", self.debug_peers, methods=["GET"])
         return app
 
     def _generate_endpoint(self, kind: Kind) -> Any:
@@ -406,6 +424,8 @@ class Router:
                     "mismatch": s.mismatch,
                     "in_flight": s.in_flight,
                     "queued_prefill_tokens": s.queued_tokens(now),
+                    "peers_in_flight": s.peer_in_flight,
+                    "peers_queued_prefill_tokens": s.peer_queued,
                     "prefill_rate_tokens_per_s": round(s.prefill.rate, 1),
                     "prefill_overhead_s": round(s.prefill.overhead, 4),
                     "itl_s": s.itl,
@@ -421,6 +441,11 @@ class Router:
                 }
             )
         return JSONResponse({"workers": rows})
+
+    async def debug_peers(self, request: Request) -> JSONResponse:
+        """The other router replicas: what each was last heard to have on each worker."""
+        self._gate().require_admin(request.headers)
+        return JSONResponse(self.peers.summary() if self.peers is not None else {"peers": []})
 
     async def debug_index(self, request: Request) -> JSONResponse:
         self._gate().require_admin(request.headers)

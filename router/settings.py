@@ -89,6 +89,10 @@ class RouterSettings(BaseModel):
     # the pool's own secret, shared with its kvpool workers: the credential for their KV
     # event replay socket
     pool_secret: SecretStr | None = None
+    # router replicas: each binds this ZMQ endpoint and subscribes to the others' (see
+    # router/peers.py), sharing the load it sends each worker and its speculative entries
+    peer_bind: str | None = None
+    peer: list[str] = Field(default_factory=list)  # the other replicas' peer endpoints
     # flow control: when every eligible worker's predicted TTFT is over this bound (or its
     # decode guard trips), requests wait in the router, in priority bands, fair by tokens
     flow_control: bool = True

@@ -1,0 +1,276 @@
+"""Router replicas tell each other what they send, so that two route as well as one.
+
+Each replica sees only its own requests. Alone, two replicas both find the same worker
+idle and both send it a burst; both send a new prefix to different workers before either
+worker's KV events say where it went. So each replica publishes the facts it alone owns:
+
+* **its load on each worker**: the requests it sent there that have not ended (in flight)
+  and the prompt tokens of those that have not shown a first token yet (queued). A row per
+  (replica, worker), written only by that replica, sent whenever it changes and all of
+  them every :data:`HEARTBEAT_S`;
+* **its speculative index entries**: the block keys it just sent to a worker, which every
+  replica counts as held there (for the same short time, until the worker's own KV events
+  confirm or the time runs out), as the sender itself does.
+
+The workers stay the owners of what they hold and of their own queues (KV events, scraped
+gauges); the replicas share only what each has in flight, which is what the workers'
+word lags behind. A worker's load as a replica's policy sees it is its own row plus the
+other replicas' rows heard within :data:`ROW_TTL_S`.
+
+Transport: ZMQ PUB/SUB, no broker and nothing agreed. Each replica binds a PUB socket and
+subscribes to every other's; a lost message is corrected by the next change or heartbeat.
+A replica cut off from the others routes as if it were alone: the rows it last heard
+expire, and it has lost nothing of its own. With the pool's secret, every message carries
+a keyed BLAKE2b tag of the credential derived from it; an untagged or wrongly tagged one
+is dropped (and counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvpool.signing import derive_credential
+
+__all__ = ["HEARTBEAT_S", "ROW_TTL_S", "Load", "PeerLink", "Speculated"]
+
+log = logging.getLogger(__name__)
+
+#: every row of a replica is sent again this often, changed or not
+HEARTBEAT_S = 0.5
+#: a peer's row not heard of for this long is dropped (the peer is gone or cut off)
+ROW_TTL_S = 3.0
+_TAG = 16  # bytes of the message's tag
+
+
+class Load(msgspec.Struct, tag="load", array_like=True):
+    """A replica's rows: worker id -> (requests in flight, prompt tokens queued)."""
+
+    sender: str
+    rows: dict[str, tuple[int, int]]
+    #: every row the sender has: a worker it no longer names has none of its load
+    full: bool = False
+
+
+class Speculated(msgspec.Struct, tag="spec", array_like=True):
+    """A replica just sent this chain of blocks to this worker (its data-parallel rank)."""
+
+    sender: str
+    worker: str
+    rank: int | None
+    keys: list[int]
+
+
+_Message = Load | Speculated
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Message)
+
+
+class PeerLink:
+    """One replica's side: publish its own rows and speculations, keep the peers' rows.
+
+    ``on_load(worker_id, in_flight, queued_tokens)`` is called with the peers' sums for a
+    worker whenever they change; ``on_speculated(worker_id, rank, keys)`` for each chain a
+    peer sent. ``rows()`` gives this replica's own rows (for heartbeats).
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        peers: Iterable[str],
+        *,
+        rows: Callable[[], dict[str, tuple[int, int]]],
+        on_load: Callable[[str, int, int], None],
+        on_speculated: Callable[[str, int | None, list[int]], None],
+        secret: str | None = None,
+        name: str | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
+        row_ttl_s: float = ROW_TTL_S,
+    ) -> None:
+        self.bind_endpoint = bind
+        self.heartbeat_s, self.row_ttl_s = heartbeat_s, row_ttl_s
+        self.peers = sorted(set(peers))
+        self.name = name or uuid.uuid4().hex[:12]
+        self._rows = rows
+        self._on_load = on_load
+        self._on_speculated = on_speculated
+        self._key = derive_credential(secret, "router-peers").encode() if secret else None
+        self._ctx = zmq.asyncio.Context.instance()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # peer -> worker -> (in flight, queued, heard at)
+        self._heard: dict[str, dict[str, tuple[int, int, float]]] = {}
+        self._sums: dict[str, tuple[int, int]] = {}
+        self.endpoint: str | None = None  # where the PUB socket is bound (a port 0 resolved)
+        self.received = 0
+        self.rejected = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.bind(self.bind_endpoint)
+        self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for peer in self.peers:
+            sub.connect(peer)
+        self._pub, self._sub = pub, sub
+        self._tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._heartbeat()),
+        ]
+        log.info(
+            "router %s shares its load on %s with %d peer(s)%s",
+            self.name,
+            self.endpoint,
+            len(self.peers),
+            "" if self._key else " (messages untagged: no pool secret)",
+        )
+
+    def set_peers(self, peers: Iterable[str]) -> None:
+        """The peers' endpoints now (discovery): connect to new ones, drop the gone."""
+        wanted = set(peers)
+        if self._sub is not None:
+            for gone in set(self.peers) - wanted:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disconnect(gone)
+            for new in wanted - set(self.peers):
+                self._sub.connect(new)
+        self.peers = sorted(wanted)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._sub = None
+
+    # -- what this replica says -----------------------------------------------------------
+
+    def load_changed(self, worker_id: str, in_flight: int, queued_tokens: int) -> None:
+        self._send(Load(self.name, {worker_id: (in_flight, queued_tokens)}))
+
+    def speculated(self, worker_id: str, rank: int | None, keys: list[int]) -> None:
+        if keys:
+            self._send(Speculated(self.name, worker_id, rank, keys))
+
+    def _send(self, message: _Message) -> None:
+        if self._pub is None:
+            return
+        payload = _encoder.encode(message)
+        tag = self._tag(payload) if self._key else b""
+        with contextlib.suppress(zmq.Again):  # a full queue: the next heartbeat says it
+            self._pub.send_multipart((tag, payload), flags=zmq.NOBLOCK, copy=False)
+
+    def _tag(self, payload: bytes) -> bytes:
+        assert self._key is not None
+        return hashlib.blake2b(payload, key=self._key, digest_size=_TAG).digest()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                self._send(Load(self.name, self._rows(), full=True))
+                self._expire(time.monotonic())
+            except Exception:  # the link must outlive a bad moment
+                log.exception("router peers: heartbeat failed")
+
+    # -- what the peers say ---------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        while True:
+            frames = await sub.recv_multipart(copy=True)
+            try:
+                self._take(frames)
+            except Exception:
+                log.exception("router peers: a message could not be applied")
+
+    def _take(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.rejected += 1
+            return
+        tag, payload = frames
+        if self._key is not None and not hmac.compare_digest(tag, self._tag(payload)):
+            self.rejected += 1
+            return
+        try:
+            message = _decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.rejected += 1
+            return
+        if message.sender == self.name:
+            return
+        self.received += 1
+        if isinstance(message, Speculated):
+            self._on_speculated(message.worker, message.rank, message.keys)
+            return
+        now = time.monotonic()
+        rows = self._heard.setdefault(message.sender, {})
+        touched = set(message.rows)
+        if message.full:
+            touched |= set(rows)
+            for worker in set(rows) - set(message.rows):
+                del rows[worker]
+        for worker, (in_flight, queued) in message.rows.items():
+            rows[worker] = (max(0, in_flight), max(0, queued), now)
+        for worker in touched:
+            self._resum(worker)
+
+    def _expire(self, now: float) -> None:
+        for peer in list(self._heard):
+            rows = self._heard[peer]
+            stale = [w for w, (_, _, at) in rows.items() if now - at > self.row_ttl_s]
+            for worker in stale:
+                del rows[worker]
+                self._resum(worker)
+            if not rows:
+                del self._heard[peer]
+
+    def _resum(self, worker: str) -> None:
+        in_flight = queued = 0
+        for rows in self._heard.values():
+            row = rows.get(worker)
+            if row is not None:
+                in_flight += row[0]
+                queued += row[1]
+        if self._sums.get(worker, (0, 0)) != (in_flight, queued):
+            self._sums[worker] = (in_flight, queued)
+            self._on_load(worker, in_flight, queued)
+
+    def summary(self) -> dict[str, Any]:
+        """For ``/debug/peers``: who was heard, and what they have on each worker."""
+        now = time.monotonic()
+        return {
+            "name": self.name,
+            "endpoint": self.endpoint,
+            "peers": self.peers,
+            "received": self.received,
+            "rejected": self.rejected,
+            "heard": {
+                peer: {w: {"in_flight": r[0], "queued_tokens": r[1], "age_s": round(now - r[2], 3)}
+                       for w, r in rows.items()}
+                for peer, rows in self._heard.items()
+            },
+        }

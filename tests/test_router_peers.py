@@ -1,0 +1,141 @@
+"""Router replicas share what each sends (router/peers.py): over real ZMQ sockets on
+loopback between links, then between two routers in front of the same workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvpool.router.peers import Load, PeerLink, _encoder
+from kvpool.stack import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Side:
+    """One replica's link, and what it was told by the others."""
+
+    def __init__(self, port: int, peers: list[int], secret: str | None = "s" * 32, **kw: Any):
+        self.rows: dict[str, tuple[int, int]] = {}
+        self.load: dict[str, tuple[int, int]] = {}
+        self.speculated: list[tuple[str, int | None, list[int]]] = []
+        self.link = PeerLink(
+            f"tcp://127.0.0.1:{port}",
+            [f"tcp://127.0.0.1:{p}" for p in peers],
+            rows=lambda: dict(self.rows),
+            on_load=lambda w, n, q: self.load.__setitem__(w, (n, q)),
+            on_speculated=lambda w, r, k: self.speculated.append((w, r, k)),
+            secret=secret,
+            **kw,
+        )
+
+
+async def until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def linked(**kw: Any) -> tuple[Side, Side]:
+    pa, pb = free_port(), free_port()
+    a, b = Side(pa, [pb], **kw), Side(pb, [pa], **kw)
+    a.link.start()
+    b.link.start()
+    # ZMQ's slow joiner: until a heartbeat of each has crossed, messages may be dropped
+    a.rows["warm"] = b.rows["warm"] = (0, 0)
+    await until(lambda: a.link.received and b.link.received)
+    return a, b
+
+
+async def test_each_replica_sees_the_others_load_and_speculations() -> None:
+    a, b = await linked(heartbeat_s=0.05)
+    try:
+        a.link.load_changed("w1", 3, 900)
+        await until(lambda: b.load.get("w1") == (3, 900))
+        b.link.load_changed("w1", 2, 100)
+        await until(lambda: a.load.get("w1") == (2, 100))
+        assert b.load["w1"] == (3, 900)  # its own row is not among the peers'
+        a.link.speculated("w2", None, [11, 22, 33])
+        await until(lambda: b.speculated == [("w2", None, [11, 22, 33])])
+        # a heartbeat that no longer names a worker ends the sender's load there
+        a.rows = {"w3": (1, 0)}
+        await until(lambda: b.load.get("w1") == (0, 0) and b.load.get("w3") == (1, 0))
+    finally:
+        for side in (a, b):
+            await side.link.close()
+
+
+async def test_a_silent_replica_s_rows_expire() -> None:
+    a, b = await linked(heartbeat_s=0.05, row_ttl_s=0.3)
+    try:
+        a.link.load_changed("w1", 5, 0)
+        await until(lambda: b.load.get("w1") == (5, 0))
+        a.rows["w1"] = (5, 0)
+        await a.link.close()  # cut off: its rows age out at b
+        await until(lambda: b.load.get("w1") == (0, 0), timeout=3)
+    finally:
+        await b.link.close()
+
+
+async def test_messages_without_the_pools_credential_are_dropped() -> None:
+    a, b = await linked(heartbeat_s=0.05)
+    ctx = zmq.asyncio.Context.instance()
+    forger = ctx.socket(zmq.PUB)
+    forger.bind("tcp://127.0.0.1:0")
+    try:
+        b.link.set_peers([*b.link.peers, forger.getsockopt_string(zmq.LAST_ENDPOINT)])
+        payload = _encoder.encode(Load("mallory", {"w1": (1000, 10**9)}))
+        deadline = time.monotonic() + 5
+        while b.link.rejected < 3:  # untagged, wrong tag, garbage: each dropped
+            assert time.monotonic() < deadline
+            await forger.send_multipart((b"", payload))
+            await forger.send_multipart((b"x" * 16, payload))
+            await forger.send_multipart((b"", b"\xc1garbage"))
+            await asyncio.sleep(0.05)
+        assert "w1" not in b.load
+        assert "mallory" not in b.link.summary()["heard"]
+    finally:
+        forger.close(0)
+        for side in (a, b):
+            await side.link.close()
+
+
+def test_two_routers_count_each_others_streams_and_share_new_prefixes(
+    worker_processes, start_router
+) -> None:
+    workers = worker_processes(2, sim_time_scale=40)
+    pa, pb = free_port(), free_port()
+    common = {"worker": [w.url for w in workers], "pool_secret": "k" * 32}
+    ra = start_router(peer_bind=f"tcp://127.0.0.1:{pa}", peer=[f"tcp://127.0.0.1:{pb}"], **common)
+    rb = start_router(peer_bind=f"tcp://127.0.0.1:{pb}", peer=[f"tcp://127.0.0.1:{pa}"], **common)
+    ra.wait_workers_up(2)
+    rb.wait_workers_up(2)
+    prompt = " ".join(f"shared document line {i} of the new prefix" for i in range(40))
+    with httpx.Client(timeout=60) as client:
+        # a slow stream through a: b counts it on that worker
+        with client.stream(
+            "POST",
+            ra.url + "/v1/completions",
+            json={"prompt": "a long answer please", "max_tokens": 200, "stream": True},
+        ) as resp:
+            assert resp.status_code == 200
+            busy = resp.headers["x-kvpool-worker"]
+            rb.wait_for(lambda: rb.workers()[busy]["peers_in_flight"] == 1, 10)
+            # a new prefix through a, then at once through b: b sends it where a did,
+            # before the worker's own events could have told it
+            first = client.post(
+                ra.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+            )
+            second = client.post(
+                rb.url + "/v1/completions", json={"prompt": prompt + " again", "max_tokens": 1}
+            )
+            assert first.status_code == second.status_code == 200
+            assert second.headers["x-kvpool-worker"] == first.headers["x-kvpool-worker"]
+        rb.wait_for(lambda: rb.workers()[busy]["peers_in_flight"] == 0, 10)
