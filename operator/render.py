@@ -54,6 +54,8 @@ DEFAULT_IMAGES = "kvpool.io/default-images"
 VERSION_LABEL = "app.kubernetes.io/version"
 
 ROUTER_PORT = 8080
+#: where each router replica publishes its load to the others (router/peers.py)
+ROUTER_PEER_PORT = 7100
 MODEL_MOUNT = "/models/source"
 TOKENIZER_COPY = "/models/tokenizer"
 WORKER_CONTAINER = "worker"
@@ -159,9 +161,10 @@ def selector_labels(pool: str, component: str, group: str | None = None) -> dict
     return labels
 
 
-def worker_selector(pool: str) -> str:
-    """The label selector the router's discovery watches: every worker of this pool."""
-    return ",".join(f"{k}={v}" for k, v in selector_labels(pool, "worker").items())
+def worker_selector(pool: str, component: str = "worker") -> str:
+    """The label selector the router's discovery watches: every worker of this pool (or,
+    ``component="router"``, every router replica: its peers)."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pool, component).items())
 
 
 def _meta(pool: str, namespace: str, name: str, component: str, **extra: Any) -> dict[str, Any]:
@@ -711,6 +714,10 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
         # when the router splits a request between a prefill and a decode worker
         "KVPOOL_ROUTER_PD_MODE": spec.disaggregation.mode,
         "KVPOOL_ROUTER_PD_THRESHOLD_TOKENS": str(spec.disaggregation.threshold_tokens),
+        # the replicas share their load and speculations (one replica: nobody to tell; set
+        # anyway, so that scaling the router does not change its settings and roll it)
+        "KVPOOL_ROUTER_PEER_BIND": f"tcp://0.0.0.0:{ROUTER_PEER_PORT}",
+        "KVPOOL_ROUTER_PEER_SELECTOR": worker_selector(pool, "router"),
     }  # fmt: skip
     if engine.type == "vllm" and engine.kv_events.enabled:
         # vLLM has no /kvpool/info to say where its events are: tell the router.
@@ -765,7 +772,10 @@ def router_deployment(
             },
             *_pool_secret_env(pool, spec, ROUTER_POOL_SECRET_ENV),
         ],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+            {"name": "peers", "containerPort": ROUTER_PEER_PORT, "protocol": "TCP"},
+        ],
         **_probes("http"),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
     }
@@ -946,7 +956,8 @@ def network_policies(
     workers: NIXL's side channel, then UCX's transports, on ports of their choosing.
 
     The router (``<pool>-router``): its port from anyone, unless ``clientsFrom`` names who
-    (the metrics scrapers and the operator are then added). A rule's ``from`` is never
+    (the metrics scrapers and the operator are then added); its peer port from the pool's
+    other router replicas. A rule's ``from`` is never
     empty, which would mean everyone: a router nobody may reach has no rule at all."""
     policy = spec.network_policy
     if not policy.enabled:
@@ -975,6 +986,8 @@ def network_policies(
     else:
         clients = _peers(policy.clients_from, ()) + copy.deepcopy(watchers)
         router_ingress = [{"from": clients, "ports": [_tcp(ROUTER_PORT)]}] if clients else []
+    # the replicas' load and speculations, from the other replicas only
+    router_ingress.append({"from": [copy.deepcopy(routers)], "ports": [_tcp(ROUTER_PEER_PORT)]})
     return [
         _network_policy(pool, namespace, f"{pool}-workers", "worker", worker_ingress),
         _network_policy(pool, namespace, f"{pool}-router", "router", router_ingress),

@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import math
+import socket
 import time
 import urllib.parse
 import uuid
@@ -206,6 +207,7 @@ class Router:
         self.model_name = s.model_name
         self.pool: WorkerPool | None = None
         self.peers: Any = None  # the other router replicas (peers.PeerLink), if any
+        self._peer_task: asyncio.Task[None] | None = None
         self.metrics: RouterMetrics | None = None
         self.gate: Gate | None = None  # admission: tenants, limits, flow control
         self.draining = False
@@ -250,6 +252,8 @@ class Router:
             )
             self.peers.start()
             pool.share_with(self.peers)
+            if s.peer_selector:
+                self._peer_task = asyncio.create_task(self._discover_peers())
         self.metrics = RouterMetrics(lambda: list(pool.workers.values()), pool.indexed_blocks)
         self.gate = Gate(s, self.metrics, self._saturation)
         self.gate.start()
@@ -276,6 +280,28 @@ class Router:
             self.hasher.fingerprint,
         )
 
+    async def _discover_peers(self) -> None:
+        """The other router replicas' pods (``--peer-selector``), on ``--peer-bind``'s port;
+        this pod (its name is the hostname) is not its own peer."""
+        from .discovery import KubernetesDiscovery
+
+        s = self.settings
+        assert s.peer_bind and s.peer_selector
+        port = int(s.peer_bind.rsplit(":", 1)[1])
+        me = socket.gethostname()
+
+        def on_change(endpoints: list[WorkerEndpoint]) -> None:
+            self.peers.set_peers(
+                "tcp://" + e.url.split("://", 1)[1] for e in endpoints if e.id != me
+            )
+
+        try:
+            await KubernetesDiscovery(s.namespace, s.peer_selector, port).run(on_change)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("router peer discovery failed; the peers known so far stay")
+
     async def _discover(self) -> None:
         def on_change(endpoints: list[WorkerEndpoint]) -> None:
             self._pool().set_endpoints(endpoints)
@@ -296,6 +322,10 @@ class Router:
                 await self._discovery_task
         if self.pool is not None:
             await self.pool.close()
+        if self._peer_task is not None:
+            self._peer_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._peer_task
         if self.peers is not None:
             await self.peers.close()
         if self.upstream is not None:

@@ -93,6 +93,9 @@ class RouterSettings(BaseModel):
     # router/peers.py), sharing the load it sends each worker and its speculative entries
     peer_bind: str | None = None
     peer: list[str] = Field(default_factory=list)  # the other replicas' peer endpoints
+    # or, with --discovery kubernetes, the other replicas' pods by label (their peer port
+    # is --peer-bind's)
+    peer_selector: str | None = None
     # flow control: when every eligible worker's predicted TTFT is over this bound (or its
     # decode guard trips), requests wait in the router, in priority bands, fair by tokens
     flow_control: bool = True
@@ -116,6 +119,10 @@ class RouterSettings(BaseModel):
         if self.discovery == "static" and not self.worker:
             raise ValueError("worker: give at least one --worker URL, or --discovery kubernetes")
         self.static_workers()  # a bad or repeated spec is named here, at start-up
+        if (self.peer or self.peer_selector) and not self.peer_bind:
+            raise ValueError("peer, peer_selector: give --peer-bind too (where this one listens)")
+        if self.peer_selector and self.discovery != "kubernetes":
+            raise ValueError("peer_selector: needs --discovery kubernetes")
         self.policy_config()
         return self
 

@@ -23,6 +23,7 @@ from kvpool.api import validate_pool
 from kvpool.operator import handlers
 from kvpool.operator.render import (
     GENERATED_KEY,
+    ROUTER_PEER_PORT,
     ROUTER_PORT,
     TENANTS_MOUNT,
     Images,
@@ -162,6 +163,24 @@ def test_a_stranger_in_the_namespace_reaches_the_router_and_no_worker() -> None:
     assert not may_connect(policies, STRANGER, pods["router"], 9090)  # nothing else opens
     elsewhere = Pod({"app": "curl"}, namespace="other")
     assert may_connect(policies, elsewhere, pods["router"], ROUTER_PORT)
+
+
+def test_router_replicas_reach_each_others_peer_port_and_nobody_else_does() -> None:
+    children = pool(DISAGGREGATED)
+    policies, pods = policies_of(children), pods_of(children)
+    (router,) = [
+        c
+        for c in children
+        if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-router")
+    ]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    assert {"name": "peers", "containerPort": ROUTER_PEER_PORT, "protocol": "TCP"} in container[
+        "ports"
+    ]
+    assert may_connect(policies, pods["router"], pods["router"], ROUTER_PEER_PORT)
+    assert not may_connect(policies, STRANGER, pods["router"], ROUTER_PEER_PORT)
+    for role in ("prefill", "decode"):
+        assert not may_connect(policies, pods[role], pods["router"], ROUTER_PEER_PORT)
 
 
 def test_decode_workers_pull_kv_from_prefill_workers_over_http_only() -> None:
