@@ -479,6 +479,16 @@ def start(argv: list[str], cpus: set[int] | None, log: Path) -> subprocess.Popen
     return proc
 
 
+def start_stubs(
+    count: int, cpus: set[int] | None, log: Path
+) -> tuple[subprocess.Popen[bytes], list[int], list[str]]:
+    """The stub workers' process, their ports and their URLs."""
+    base = free_ports(count)
+    proc = start([sys.executable, ME, "--stub-workers", str(base), str(count)], cpus, log)
+    ports = [base + i for i in range(count)]
+    return proc, ports, [f"http://{HOST}:{p}" for p in ports]
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     from kvpool.stack import stop_process
 
@@ -710,14 +720,7 @@ async def part_one(
         "short_prompt_tokens_mean": statistics.mean(short_tokens),
     }
 
-    base = free_ports(args.workers)
-    stub = start(
-        [sys.executable, ME, "--stub-workers", str(base), str(args.workers)],
-        load_cpus,
-        logs / "stub-workers.log",
-    )
-    ports = [base + i for i in range(args.workers)]
-    workers = [f"http://{HOST}:{p}" for p in ports]
+    stub, ports, workers = start_stubs(args.workers, load_cpus, logs / "stub-workers.log")
     results: dict[str, dict[str, Any]] = {"direct": {}, "kvpool": {}, "sglang": {}}
     try:
         for url in workers:
@@ -853,14 +856,7 @@ async def part_three(args: argparse.Namespace, model: Path, logs: Path) -> dict[
     small, _ = request_mix(tokenizer, 50, 0, (20, 60), seed=5)
     small_payloads = payloads(small, False, 4)
 
-    base_port = free_ports(args.workers)
-    stub = start(
-        [sys.executable, ME, "--stub-workers", str(base_port), str(args.workers)],
-        None,
-        logs / "stub-workers-long.log",
-    )
-    ports = [base_port + i for i in range(args.workers)]
-    workers = [f"http://{HOST}:{p}" for p in ports]
+    stub, ports, workers = start_stubs(args.workers, None, logs / "stub-workers-long.log")
     out: dict[str, Any] = {"prompt_tokens": tokens, "huge_bytes": len(huge)}
     try:
         for url in workers:

@@ -316,16 +316,13 @@ class Router:
     async def shutdown(self) -> None:
         if self.gate is not None:
             await self.gate.close()
-        if self._discovery_task is not None:
-            self._discovery_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._discovery_task
+        for task in (self._discovery_task, self._peer_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if self.pool is not None:
             await self.pool.close()
-        if self._peer_task is not None:
-            self._peer_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._peer_task
         if self.peers is not None:
             await self.peers.close()
         if self.upstream is not None:
