@@ -441,6 +441,9 @@ def kvpool_router_argv(
     """``kvpool router serve`` for one of :data:`KVPOOL_POLICIES`; the policy's own flags
     come after ``extra``, so that a variant stays what its name says (the last flag wins)."""
     argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
+    # The load generator is one address standing for every user: the per-client connection
+    # limit (256) would refuse its requests once the workers fall behind.
+    argv += ["--max-connections-per-client", "1000000"]
     argv += [*extra, *KVPOOL_POLICIES[policy]]
     for w in workers:
         argv += ["--worker", w]

@@ -4,22 +4,38 @@ A request's prompt hashes to a chain of block keys (:mod:`kvpool.hashing`); sinc
 ``i``'s key depends on every block before it, a worker that holds key ``i`` holds that whole
 prefix, and the router wants, per worker, the length of the longest leading run it holds.
 
-Layout, chosen for memory (millions of entries) and for a single fast walk per request:
+Layout, chosen for memory (tens of millions of entries), for a single fast walk per request
+and so that no call on the event loop does work in proportion to the index's size:
 
-* every worker owns one bit; ``_masks`` maps a block key to the OR of its holders' bits, so
-  :meth:`BlockIndex.match` is one dict lookup and a few integer operations per block and can
-  stop at the first block no still-matching worker holds;
-* every worker keeps the set of its keys, so clearing or removing it costs its own size, not
-  the index's, and the same key object is shared with ``_masks``;
+* every worker owns one bit; the block table maps a block key to the OR of its holders'
+  bits, so :meth:`BlockIndex.match` is one dict lookup and a few integer operations per
+  block and can stop at the first block no still-matching worker holds. A key with a single
+  holder stores that worker's own ``bit`` object, so it costs no integer of its own;
+* the table is split by key over about four thousand dicts (shards): a CPython dict grows, and
+  sheds the slots that deletions leave, by rebuilding itself at once, which for one dict of
+  tens of millions of keys is a pause of seconds; a shard rebuilds in a millisecond or two;
+* every worker keeps a log of its keys (``array('Q')``: 8 bytes a key, no object per key,
+  nothing for the garbage collector to walk), appended on store and left as is on remove:
+  whether the worker holds a key is its bit in the table, and the log only says which keys
+  to visit when the worker's entries are dropped. A log with more dead entries than live
+  ones is compacted a slice at a time, paid for by later stores (a spare bit marks the keys
+  already copied, so the new log has each key once);
+* clearing or removing a worker costs O(1): the worker gets a fresh bit and its old bit is
+  *retired* with its log. Every answer leaves the old bit out at once (lookups keep only
+  registered workers' bits), and :meth:`BlockIndex.sweep` takes it off the table's keys
+  later, a bounded slice per call; the bit goes back to the free list only once swept, so a
+  new worker never inherits stale entries;
 * speculative entries (what the router *expects* a worker to hold because it just routed a
-  request there) live apart, per worker in an ``OrderedDict`` key -> expiry. A worker's TTL
-  is fixed, so insertion order (with refreshes moved to the end) is also expiry order and
-  LRU order: expiry and capacity eviction both pop from the front, amortised, with no
-  background thread. ``_spec_masks`` mirrors them as key -> bits for the walk.
+  request there) set the worker's bit in the same table, so the walk reads one table; which
+  of a worker's bits are guesses is its ``OrderedDict`` key -> expiry. A worker's TTL is
+  fixed, so insertion order (with refreshes moved to the end) is also expiry order and LRU
+  order: expiry and capacity eviction both pop from the front, amortised, with no
+  background thread.
 
-Confirmed and speculative entries of one worker never overlap: a store confirms (drops the
-guess), a speculate skips keys already confirmed. Pure data structure: no I/O, no locks
-(the router calls it from its event loop), time from an injectable clock.
+Confirmed and speculative entries of one worker never overlap (which is what lets them
+share a bit): a store confirms (drops the guess), a speculate skips keys already confirmed.
+Pure data structure: no I/O, no locks (the router calls it from its event loop), time from
+an injectable clock.
 """
 
 from __future__ import annotations
@@ -29,8 +45,10 @@ import logging
 import math
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 from kvpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -43,6 +61,18 @@ logger = logging.getLogger(__name__)
 _INT_BYTES = sys.getsizeof(1 << 63)
 _FLOAT_BYTES = sys.getsizeof(0.0)
 
+# Shards of the block table: a prime, so that keys of any pattern spread evenly. At 50
+# million keys a shard holds ~12k, whose rebuild takes ~1.5 ms (a store may meet two or
+# three). More shards would shorten that but slow every lookup: a chain's keys, stored
+# together, sit together in one dict's entries, and the more shards, the more of them are
+# cache misses.
+_SHARDS = 4093
+# A log is compacted once it is longer than twice its worker's blocks plus this ...
+_COMPACT_SLACK = 4096
+# ... by this many log entries of work per key any store appends: churn leaves at most one
+# dead entry per append, and a compaction costs about 1.5 entries of work per log entry.
+_COMPACT_WORK = 4
+
 
 def _on_gpu(medium: str | None) -> bool:
     """Only blocks in GPU memory save prefill; an offloaded (CPU, disk) copy is not a hit."""
@@ -50,7 +80,7 @@ def _on_gpu(medium: str | None) -> bool:
 
 
 class _Worker:
-    __slots__ = ("bit", "blocks", "capacity", "id", "spec", "tracked", "ttl")
+    __slots__ = ("bit", "capacity", "count", "id", "log", "queued", "spec", "tracked", "ttl")
 
     def __init__(
         self, worker_id: str, bit: int, tracked: bool, ttl: float, capacity: int | None
@@ -60,8 +90,46 @@ class _Worker:
         self.tracked = tracked
         self.ttl = ttl
         self.capacity = capacity  # None: speculative entries bounded by their TTL alone
-        self.blocks: set[int] = set()
+        self.count = 0  # confirmed blocks held (the log also has dead and repeated keys)
+        self.log = array("Q")
+        self.queued = False  # waiting for, or under, compaction
         self.spec: OrderedDict[int, float] = OrderedDict()
+
+
+class _Retired:
+    """What clearing or removing a worker left for :meth:`BlockIndex.sweep`: bits to take
+    off the keys of its parts (its log, its speculative keys), and the bit positions that
+    are free once that is done."""
+
+    __slots__ = ("clear", "parts", "positions")
+
+    def __init__(
+        self, clear: int, positions: list[int], parts: list[tuple[Iterator[int], int]]
+    ) -> None:
+        self.clear = clear
+        self.positions = positions
+        self.parts = deque([it, left] for it, left in parts)
+
+
+class _Compaction:
+    """One worker's log being rewritten without dead or repeated keys.
+
+    Phase 1 walks the old log (``src``) and copies each key the worker holds to the new log
+    (``worker.log``) once, setting ``mark`` on it in the table; a store meanwhile appends
+    only keys without the mark, and marks them too. Phase 2 walks the new log up to
+    ``end`` and takes the mark off again. ``mark`` is a bit no worker owns, so no answer
+    sees it."""
+
+    __slots__ = ("both", "end", "mark", "pos", "src", "worker")
+
+    def __init__(self, worker: _Worker, mark: int) -> None:
+        self.worker = worker
+        self.mark = mark
+        self.both = worker.bit | mark  # one shared object for keys the worker holds alone
+        self.src: array[int] | None = worker.log
+        self.pos = 0
+        self.end = 0
+        worker.log = array("Q")
 
 
 class BlockIndex:
@@ -73,8 +141,12 @@ class BlockIndex:
     ``approx_ttl`` (refreshed when routed again) and at most ``approx_capacity_blocks`` of
     them, least recently routed evicted first, as the worker's own cache would.
 
-    Methods taking a ``worker_id`` raise :class:`KeyError` for an unregistered worker: events
-    for a worker the router does not know are a caller bug, not something to index.
+    Block keys are unsigned 64-bit integers, as KV events carry them. Methods taking a
+    ``worker_id`` raise :class:`KeyError` for an unregistered worker: events for a worker
+    the router does not know are a caller bug, not something to index.
+
+    Clearing or removing a worker answers at once but leaves work for :meth:`sweep`, which
+    the caller runs in slices, between other work, until it returns 0.
     """
 
     def __init__(
@@ -93,13 +165,22 @@ class BlockIndex:
         self._clock = clock
         self._workers: dict[str, _Worker] = {}
         self._by_bit: dict[int, str] = {}
+        # Masks that stand for one holder (and the compaction's own), to one shared object:
+        # a key left with a lone holder gets that object instead of an integer of its own.
+        self._canon: dict[int, int] = {}
         self._free_positions: list[int] = []  # heap: reuse low bits so masks stay small ints
         self._next_position = 0
-        self._all_bits = 0
-        self._masks: dict[int, int] = {}
-        self._spec_masks: dict[int, int] = {}
+        self._all_bits = 0  # registered workers' bits; retired and marking bits are not
+        self._shards: list[dict[int, int]] = [{} for _ in range(_SHARDS)]
         self._entries = 0
         self._next_expiry = math.inf  # no speculative entry expires before this
+        self._retired: deque[_Retired] = deque()
+        self._pending = 0  # keys the retired parts still have
+        self._compaction: _Compaction | None = None
+        self._compact_queue: deque[_Worker] = deque()
+        # Per index, so that a test can make compaction frequent and slow to finish.
+        self._compact_slack = _COMPACT_SLACK
+        self._compact_work = _COMPACT_WORK
 
     # ---- workers ----
 
@@ -112,37 +193,34 @@ class BlockIndex:
             raise ValueError(f"worker {worker_id!r} is already registered")
         if approx_capacity_blocks is not None and approx_capacity_blocks <= 0:
             raise ValueError("approx_capacity_blocks must be positive")
-        if self._free_positions:
-            position = heapq.heappop(self._free_positions)
-        else:
-            position = self._next_position
-            self._next_position += 1
-        bit = 1 << position
         if tracked:
             ttl, capacity = self.speculative_ttl, None
         else:
             ttl = self.approx_ttl
             capacity = approx_capacity_blocks or self.approx_capacity_blocks
-        self._workers[worker_id] = _Worker(worker_id, bit, tracked, ttl, capacity)
-        self._by_bit[bit] = worker_id
-        self._all_bits |= bit
+        w = _Worker(worker_id, 0, tracked, ttl, capacity)
+        self._workers[worker_id] = w
+        self._give_bit(w)
+        position = w.bit.bit_length() - 1
         logger.info("indexing worker %s (bit %d, tracked=%s)", worker_id, position, tracked)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forget a worker and everything it held; its bit may go to the next worker."""
+        """Forget a worker and everything it held. O(1): its bit goes to a later worker
+        once :meth:`sweep` has taken it off every key."""
         w = self._get(worker_id)
-        self._drop_all(w)
+        self._retire(w)
         del self._workers[worker_id]
-        del self._by_bit[w.bit]
-        self._all_bits &= ~w.bit
-        heapq.heappush(self._free_positions, w.bit.bit_length() - 1)
         logger.info("stopped indexing worker %s", worker_id)
 
     def clear_worker(self, worker_id: str) -> None:
         """Drop every entry of a worker, speculative too, keeping it registered: its cache was
-        emptied (AllBlocksCleared) or events were lost and what we knew may be wrong."""
+        emptied (AllBlocksCleared) or events were lost and what we knew may be wrong.
+
+        O(1): the worker goes on under a fresh bit, and the old one is left to
+        :meth:`sweep`."""
         w = self._get(worker_id)
-        self._drop_all(w)
+        self._retire(w)
+        self._give_bit(w)
         logger.debug("cleared worker %s", worker_id)
 
     def workers(self) -> list[str]:
@@ -156,35 +234,63 @@ class BlockIndex:
     def store(self, worker_id: str, hashes: Iterable[int]) -> None:
         """The worker now holds these blocks; a speculative entry for one is confirmed."""
         w = self._get(worker_id)
-        bit, blocks, spec, masks = w.bit, w.blocks, w.spec, self._masks
-        added = 0
-        for h in hashes:
-            if h in blocks:
-                continue
-            blocks.add(h)
-            masks[h] = masks.get(h, 0) | bit
-            added += 1
-            if spec and h in spec:
-                del spec[h]
-                self._unset_spec_bit(h, bit)
-        self._entries += added
+        job = self._compaction
+        if job is not None and job.worker is w:
+            added = self._store_compacting(w, job, hashes)
+        else:
+            bit, spec, shards, append = w.bit, w.spec, self._shards, w.log.append
+            n = _SHARDS
+            added = 0
+            h = None
+            try:
+                for h in hashes:
+                    table = shards[h % n]
+                    m = table.get(h)
+                    if m is None:
+                        append(h)  # first: a key that is no unsigned 64-bit int changes nothing
+                        table[h] = bit
+                    elif not m & bit:
+                        append(h)
+                        table[h] = m | bit
+                    elif spec and h in spec:  # a guess until now: the bit stays, confirmed
+                        append(h)
+                        del spec[h]
+                    else:
+                        continue
+                    added += 1
+            except OverflowError:
+                raise ValueError(f"block key {h!r} is not an unsigned 64-bit integer") from None
+            finally:
+                w.count += added
+                self._entries += added
+        if added:
+            if not w.queued and len(w.log) > 2 * w.count + self._compact_slack:
+                w.queued = True
+                self._compact_queue.append(w)
+            if self._compaction is not None or self._compact_queue:
+                self._compact(added * self._compact_work)
 
     def remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         """The worker evicted these blocks; a block it does not hold is ignored."""
         w = self._get(worker_id)
-        bit, blocks, spec, masks = w.bit, w.blocks, w.spec, self._masks
+        bit, spec, shards, canon = w.bit, w.spec, self._shards, self._canon
+        n = _SHARDS
+        removed = 0
         for h in hashes:
-            if h in blocks:
-                blocks.remove(h)
-                self._entries -= 1
-                rest = masks[h] & ~bit
-                if rest:
-                    masks[h] = rest
+            table = shards[h % n]
+            m = table.get(h)
+            if m is not None and m & bit:
+                if spec and h in spec:
+                    del spec[h]
                 else:
-                    del masks[h]
-            elif h in spec:
-                del spec[h]
-                self._unset_spec_bit(h, bit)
+                    removed += 1  # the key stays in the log: compaction drops it there
+                rest = m ^ bit
+                if rest:
+                    table[h] = canon.get(rest, rest)
+                else:
+                    del table[h]
+        w.count -= removed
+        self._entries -= removed
 
     def apply(self, worker_id: str, batch: EventBatch) -> int:
         """Apply a batch's events in order; return how many acted on the index (events for
@@ -218,22 +324,29 @@ class BlockIndex:
         now = self._clock()
         self._expire(now)
         expiry = now + w.ttl
-        bit, blocks, spec, spec_masks = w.bit, w.blocks, w.spec, self._spec_masks
+        bit, spec, shards = w.bit, w.spec, self._shards
+        n = _SHARDS
         added: list[int] = []
         # Back to front, so the chain's head is the most recently used: like vLLM freeing a
         # request's blocks tail first, eviction then shortens the prefix instead of killing it.
         for h in reversed(hashes):
-            if h in blocks:
-                continue
-            if h in spec:
+            table = shards[h % n]
+            m = table.get(h)
+            if m is None:
+                table[h] = bit
+            elif not m & bit:
+                table[h] = m | bit
+            elif h in spec:  # a guess already: refreshed
                 spec.move_to_end(h)
+                spec[h] = expiry
+                continue
             else:
-                spec_masks[h] = spec_masks.get(h, 0) | bit
-                added.append(h)
+                continue  # confirmed
+            added.append(h)
             spec[h] = expiry
         if w.capacity is not None:
             while len(spec) > w.capacity:
-                self._unset_spec_bit(spec.popitem(last=False)[0], bit)
+                self._unset_bit(spec.popitem(last=False)[0], bit)
         if expiry < self._next_expiry:
             self._next_expiry = expiry
         added.reverse()  # in chain order
@@ -256,7 +369,35 @@ class BlockIndex:
         for h in hashes:
             if h in spec:
                 del spec[h]
-                self._unset_spec_bit(h, bit)
+                self._unset_bit(h, bit)
+
+    # ---- deferred work ----
+
+    def sweep(self, max_keys: int = 1_000) -> int:
+        """Take retired bits (of cleared and removed workers) off at most ``max_keys`` keys;
+        return how many keys are left to visit (0: nothing pending).
+
+        Answers do not wait for this: they leave retired bits out already. What waits is
+        memory (a retired worker's log, and its keys no one else holds) and the bit's reuse.
+        ``max_keys`` bounds the call's time: a key costs 0.4-1 us, mostly cache misses, so
+        the default is about a millisecond, well inside the request path's 5 ms budget on
+        a slower or busier core. The caller runs it in slices, yielding to other work
+        between them, until it returns 0."""
+        budget = max_keys
+        retired = self._retired
+        while budget > 0 and retired:
+            job = retired[0]
+            budget -= self._sweep_some(job, budget)
+            if not job.parts:
+                retired.popleft()
+                for position in job.positions:
+                    heapq.heappush(self._free_positions, position)
+        return self._pending
+
+    def pending_sweep(self) -> int:
+        """Keys :meth:`sweep` has still to visit (a retired log's dead and repeated entries
+        count too)."""
+        return self._pending
 
     # ---- queries ----
 
@@ -267,20 +408,23 @@ class BlockIndex:
         result: dict[str, int] = {}
         if not alive:
             return result
-        masks_get = self._masks.get
-        spec_get = self._spec_masks.get if self._spec_masks else None
+        shards, canon, n = self._shards, self._canon, _SHARDS
         depth = 0
         for h in hashes:
-            held = masks_get(h, 0)
-            if spec_get is not None:
-                held |= spec_get(h, 0)
-            held &= alive
-            if held != alive:
-                if depth:
-                    self._record(alive ^ held, depth, result)
-                alive = held
-                if not alive:
-                    return result
+            try:  # a subscript is quicker than get(), and a miss ends the walk anyway
+                m = shards[h % n][h]
+            except KeyError:
+                m = 0
+            # Deep in a chain one worker is usually left, and a key it holds alone has its
+            # very bit object as the mask: no arithmetic at all.
+            if m is not alive:
+                held = m & alive
+                if held != alive:
+                    if depth:
+                        self._record(alive ^ held, depth, result)
+                    if not held:
+                        return result
+                    alive = canon.get(held, held)
             depth += 1
         if depth:
             self._record(alive, depth, result)
@@ -288,7 +432,7 @@ class BlockIndex:
 
     def num_blocks(self, worker_id: str) -> int:
         """Confirmed blocks the worker holds."""
-        return len(self._get(worker_id).blocks)
+        return self._get(worker_id).count
 
     def num_speculative(self, worker_id: str) -> int:
         """Unexpired speculative blocks of the worker (never counting a confirmed one)."""
@@ -304,23 +448,29 @@ class BlockIndex:
         return self._entries
 
     def summary(self) -> dict[str, Any]:
-        """A JSON-ready picture for a debug endpoint; ``approx_bytes`` is an estimate."""
+        """A JSON-ready picture for a debug endpoint. ``distinct_blocks`` counts the table's
+        keys: confirmed or speculative, and those whose holders were all cleared and that
+        await a sweep (``pending_sweep`` says how many keys that is still to visit);
+        ``approx_bytes`` is an estimate."""
         self._expire(self._clock())
-        size = sys.getsizeof(self._masks) + sys.getsizeof(self._spec_masks)
-        size += len(self._masks) * 2 * _INT_BYTES + len(self._spec_masks) * _INT_BYTES
+        keys = sum(len(t) for t in self._shards)
+        size = sum(sys.getsizeof(t) for t in self._shards)
+        # Keys, and masks of keys with several holders (a lone holder's is its own bit).
+        size += (keys + max(0, min(keys, self._entries - keys))) * _INT_BYTES
+        size += self._pending * 8  # retired logs
+        compaction = self._compaction
+        if compaction is not None and compaction.src is not None:
+            size += sys.getsizeof(compaction.src)
         workers: dict[str, dict[str, Any]] = {}
         for wid, w in self._workers.items():
-            size += sys.getsizeof(w.blocks) + sys.getsizeof(w.spec) + len(w.spec) * _FLOAT_BYTES
-            workers[wid] = {
-                "tracked": w.tracked,
-                "blocks": len(w.blocks),
-                "speculative": len(w.spec),
-            }
+            size += sys.getsizeof(w.log) + sys.getsizeof(w.spec) + len(w.spec) * _FLOAT_BYTES
+            workers[wid] = {"tracked": w.tracked, "blocks": w.count, "speculative": len(w.spec)}
         return {
             "workers": workers,
             "entries": self._entries,
             "speculative_entries": sum(len(w.spec) for w in self._workers.values()),
-            "distinct_blocks": len(self._masks),
+            "distinct_blocks": keys,
+            "pending_sweep": self._pending,
             "approx_bytes": size,
         }
 
@@ -339,26 +489,182 @@ class BlockIndex:
             result[by_bit[low]] = depth
             bits ^= low
 
-    def _unset_spec_bit(self, h: int, bit: int) -> None:
-        rest = self._spec_masks[h] & ~bit
-        if rest:
-            self._spec_masks[h] = rest
-        else:
-            del self._spec_masks[h]
+    def _take_position(self) -> int:
+        if self._free_positions:
+            return heapq.heappop(self._free_positions)
+        self._next_position += 1
+        return self._next_position - 1
 
-    def _drop_all(self, w: _Worker) -> None:
-        masks, bit = self._masks, w.bit
-        for h in w.blocks:
-            rest = masks[h] & ~bit
-            if rest:
-                masks[h] = rest
-            else:
-                del masks[h]
-        self._entries -= len(w.blocks)
-        w.blocks = set()
-        for h in w.spec:
-            self._unset_spec_bit(h, bit)
+    def _give_bit(self, w: _Worker) -> None:
+        w.bit = 1 << self._take_position()
+        self._by_bit[w.bit] = w.id
+        self._canon[w.bit] = w.bit
+        self._all_bits |= w.bit
+
+    def _unset_bit(self, h: int, bit: int) -> None:
+        """A speculative entry ends: take the worker's bit off the key."""
+        table = self._shards[h % _SHARDS]
+        rest = table[h] & ~bit
+        if rest:
+            table[h] = self._canon.get(rest, rest)
+        else:
+            del table[h]
+
+    def _retire(self, w: _Worker) -> None:
+        """Take the worker's bit out of every answer and hand its keys to :meth:`sweep`:
+        O(1), whatever the worker held. The worker is left without a bit."""
+        clear, positions = w.bit, [w.bit.bit_length() - 1]
+        parts: list[tuple[Iterator[int], int]] = []
+        job = self._compaction
+        if job is not None and job.worker is w:  # dropped; its marks are swept with the bit
+            clear |= job.mark
+            positions.append(job.mark.bit_length() - 1)
+            if job.src is not None and job.pos < len(job.src):
+                rest = memoryview(job.src)[job.pos :]
+                parts.append((iter(rest), len(rest)))
+            self._end_compaction(job)
+        if w.log:
+            parts.append((iter(memoryview(w.log)), len(w.log)))
+        if w.spec:  # frozen from now on: the worker gets a new one
+            parts.append((iter(w.spec), len(w.spec)))
+        self._entries -= w.count
+        w.count = 0
+        w.log = array("Q")
         w.spec = OrderedDict()
+        del self._by_bit[w.bit]
+        del self._canon[w.bit]
+        self._all_bits &= ~w.bit
+        w.bit = 0
+        if parts:
+            self._retired.append(_Retired(clear, positions, parts))
+            self._pending += sum(left for _, left in parts)
+        else:
+            for position in positions:
+                heapq.heappush(self._free_positions, position)
+
+    def _sweep_some(self, job: _Retired, budget: int) -> int:
+        """Up to ``budget`` keys of a retired job; returns how many it visited."""
+        clear, keep, shards, canon, n = job.clear, ~job.clear, self._shards, self._canon, _SHARDS
+        done = 0
+        while job.parts and done < budget:
+            part = job.parts[0]
+            keys, left = part
+            take = min(left, budget - done)
+            for h in islice(keys, take):
+                table = shards[h % n]
+                m = table.get(h)
+                if m is not None and m & clear:
+                    rest = m & keep
+                    if rest:
+                        table[h] = canon.get(rest, rest)
+                    else:
+                        del table[h]
+            done += take
+            if take == left:
+                job.parts.popleft()
+            else:
+                part[1] = left - take
+        self._pending -= done
+        return done
+
+    def _store_compacting(self, w: _Worker, job: _Compaction, hashes: Iterable[int]) -> int:
+        """:meth:`store` for the worker whose log is being compacted: a key that has the
+        mark is in the new log already (if only as a dead entry) and is not appended again;
+        in phase 1 a key appended gets the mark, so that the walk of the old log does not
+        copy it a second time."""
+        bit, mark, spec, shards, append = w.bit, job.mark, w.spec, self._shards, w.log.append
+        new = job.both if job.src is not None else bit  # what an appended key gets
+        canon, n = self._canon, _SHARDS
+        added = 0
+        h = None
+        try:
+            for h in hashes:
+                table = shards[h % n]
+                m = table.get(h, 0)
+                if m & bit:
+                    if not (spec and h in spec):
+                        continue
+                    if not m & mark:  # a guess until now: its key may not be in the log
+                        append(h)
+                        table[h] = canon.get(m | (new ^ bit), m | (new ^ bit))
+                    del spec[h]
+                elif m & mark:
+                    table[h] = canon.get(m | bit, m | bit)
+                else:
+                    append(h)
+                    table[h] = canon.get(m | new, m | new)
+                added += 1
+        except OverflowError:
+            raise ValueError(f"block key {h!r} is not an unsigned 64-bit integer") from None
+        finally:
+            w.count += added
+            self._entries += added
+        return added
+
+    def _compact(self, budget: int) -> None:
+        """Up to ``budget`` log entries of compaction work, starting queued jobs as needed."""
+        while budget > 0:
+            job = self._compaction
+            if job is None:
+                job = self._start_compaction()
+                if job is None:
+                    return
+            budget -= self._compact_some(job, budget)
+
+    def _start_compaction(self) -> _Compaction | None:
+        while self._compact_queue:
+            w = self._compact_queue.popleft()
+            if self._workers.get(w.id) is not w or len(w.log) <= 2 * w.count + self._compact_slack:
+                w.queued = False  # removed, or cleared (a fresh log), since it was queued
+                continue
+            job = _Compaction(w, 1 << self._take_position())
+            self._canon[job.mark] = job.mark
+            self._canon[job.both] = job.both
+            self._compaction = job
+            return job
+        return None
+
+    def _compact_some(self, job: _Compaction, budget: int) -> int:
+        """Up to ``budget`` entries of one compaction; returns how many it did (at least 1)."""
+        w, shards, canon, n = job.worker, self._shards, self._canon, _SHARDS
+        bit, mark, both, log = w.bit, job.mark, job.both, w.log
+        src = job.src
+        if src is not None:  # phase 1: copy each key the worker holds, once
+            end = min(len(src), job.pos + budget)
+            append = log.append
+            for h in src[job.pos : end]:
+                table = shards[h % n]
+                m = table.get(h)
+                if m is not None and m & bit and not m & mark:
+                    table[h] = both if m is bit else canon.get(m | mark, m | mark)
+                    append(h)
+            done, job.pos = end - job.pos, end
+            if end == len(src):
+                job.src, job.pos, job.end = None, 0, len(log)
+        else:  # phase 2: take the mark off again
+            end = min(job.end, job.pos + budget)
+            for h in log[job.pos : end]:
+                table = shards[h % n]
+                m = table.get(h)
+                if m is not None and m & mark:
+                    rest = m ^ mark
+                    if rest:
+                        table[h] = canon.get(rest, rest)
+                    else:
+                        del table[h]
+            done, job.pos = end - job.pos, end
+            if end == job.end:
+                self._end_compaction(job)
+                heapq.heappush(self._free_positions, mark.bit_length() - 1)
+        return max(done, 1)
+
+    def _end_compaction(self, job: _Compaction) -> None:
+        """Forget the job; its mark's position is for the caller to free, once no key has
+        the mark."""
+        del self._canon[job.mark]
+        del self._canon[job.both]
+        job.worker.queued = False
+        self._compaction = None
 
     def _expire(self, now: float) -> None:
         """Pop speculative entries whose time is up (expiry <= now), oldest first; each
@@ -375,5 +681,5 @@ class BlockIndex:
                     next_expiry = min(next_expiry, expiry)
                     break
                 del spec[h]
-                self._unset_spec_bit(h, w.bit)
+                self._unset_bit(h, w.bit)
         self._next_expiry = next_expiry

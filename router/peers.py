@@ -269,8 +269,10 @@ class PeerLink:
             "received": self.received,
             "rejected": self.rejected,
             "heard": {
-                peer: {w: {"in_flight": r[0], "queued_tokens": r[1], "age_s": round(now - r[2], 3)}
-                       for w, r in rows.items()}
+                peer: {
+                    w: {"in_flight": r[0], "queued_tokens": r[1], "age_s": round(now - r[2], 3)}
+                    for w, r in rows.items()
+                }
                 for peer, rows in self._heard.items()
             },
         }

@@ -324,6 +324,7 @@ class WorkerPool:
         self.changed = asyncio.Event()  # set when a worker becomes routable
         #: the other router replicas (router.peers.PeerLink), when there are any
         self.peers: Any = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._peer_load: dict[str, tuple[int, int]] = {}  # worker -> the peers' sums
 
     # -- membership (from discovery) ------------------------------------------------------
@@ -367,12 +368,16 @@ class WorkerPool:
             self._drop_rank(state, rank)
         if wid in self.index:
             self.index.remove_worker(wid)
+        self._sweep_later()
         log.info("worker %s removed", wid)
 
     async def close(self) -> None:
         tasks = [t for s in self.workers.values() for t in [*s.tasks, s.events_task] if t]
         for wid in list(self.workers):
             self._remove(wid)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            tasks.append(self._sweeper)
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
@@ -466,6 +471,7 @@ class WorkerPool:
             self._drop_rank(state, rank)
         if state.id in self.index:
             self.index.clear_worker(state.id)
+        self._sweep_later()
         if dead or was_down:
             self._abort_attempts(state, why)
 
@@ -656,7 +662,8 @@ class WorkerPool:
                     rank = item.batch.data_parallel_rank
                     # vLLM's single engine says rank 0, others may say None: one cache.
                     iid = state.id if not rank or rank < 0 else self._rank_id(state, rank)
-                    self.index.apply(iid, item.batch)
+                    self.index.apply(iid, item.batch)  # AllBlocksCleared: a sweep to do
+                    self._sweep_later()
                     state.events_seen += len(item.batch.events)
                     # A replayed batch is late by design: its lag says nothing.
                     if self._on_event_lag and item.batch.ts > 0 and not item.replayed:
@@ -744,6 +751,22 @@ class WorkerPool:
     def _clear_index(self, state: WorkerState) -> None:
         for iid in self._index_ids(state):
             self.index.clear_worker(iid)
+        self._sweep_later()
+
+    def _sweep_later(self) -> None:
+        """A cleared or removed worker leaves the index at once (its bit is retired: no
+        lookup counts it) and its entries are swept out in slices of about a millisecond
+        each, between other work on the loop: clearing a million blocks at once stalled
+        every stream for most of a second."""
+        if self._sweeper is None and self.index.pending_sweep():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        try:
+            while self.index.sweep():  # noqa: ASYNC110 - a slice, then the loop's turn
+                await asyncio.sleep(0)
+        finally:
+            self._sweeper = None
 
     def clear_worker(self, worker_id: str) -> None:
         """Drop every index entry of a worker, all its ranks'; unknown worker: nothing."""

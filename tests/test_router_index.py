@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 import tracemalloc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -260,12 +261,17 @@ def test_removed_worker_bit_is_reused_without_its_entries(index: BlockIndex) -> 
     index.speculate("a", [1, 2, 3])
     index.store("b", [1])
     index.remove_worker("a")
-    index.add_worker("c")  # takes a's bit
+    index.add_worker("c")  # a's bit is not swept yet: c gets another
     assert index.match([1, 2, 3]) == {"b": 1}
     assert "a" not in index and "c" in index
+    assert index.sweep() == 0
     assert index.summary()["distinct_blocks"] == 1
+    index.add_worker("d")  # takes a's bit, swept clean
     index.store("c", [1, 2])
     assert index.match([1, 2, 3]) == {"b": 1, "c": 2}
+    index.store("d", [1])
+    assert index.match([1, 2, 3]) == {"b": 1, "c": 2, "d": 1}
+    assert_table_is_exact(index)
 
 
 def test_summary_counts_per_worker(index: BlockIndex) -> None:
@@ -281,11 +287,181 @@ def test_summary_counts_per_worker(index: BlockIndex) -> None:
     }
     assert summary["entries"] == 3 == index.num_entries()
     assert summary["speculative_entries"] == 3
-    assert summary["distinct_blocks"] == 3
+    assert summary["distinct_blocks"] == 5  # keys confirmed or speculative: 1 to 5
+    assert summary["pending_sweep"] == 0
     assert summary["approx_bytes"] > 0
 
 
-def test_memory_per_entry_under_200_bytes() -> None:
+def test_a_key_outside_64_bits_is_refused_and_changes_nothing(index: BlockIndex) -> None:
+    index.add_worker("a")
+    with pytest.raises(ValueError, match="64-bit"):
+        index.store("a", [1, 2, -3, 4])
+    with pytest.raises(ValueError, match="64-bit"):
+        index.store("a", [1 << 64])
+    assert index.num_blocks("a") == 2 == len(index)
+    assert index.match([1, 2, 4]) == {"a": 2}
+
+
+# ---- clears cost O(1); sweeps do the rest in bounded slices ----
+
+
+def holders(index: BlockIndex) -> dict[int, frozenset[str]]:
+    """Key -> the registered workers whose bit the index's own table has for it."""
+    out: dict[int, frozenset[str]] = {}
+    for table in index._shards:
+        for h, mask in table.items():
+            live = mask & index._all_bits
+            ids = frozenset(
+                index._by_bit[1 << p] for p in range(live.bit_length()) if live >> p & 1
+            )
+            if ids:
+                out[h] = ids
+    return out
+
+
+def assert_no_stray_bits(index: BlockIndex) -> None:
+    """No key has a bit at a free position or one never handed out: a worker given such a
+    bit would inherit entries that are not its own. (Retired bits, awaiting a sweep, may
+    be anywhere.)"""
+    free = sum(1 << p for p in index._free_positions)
+    for table in index._shards:
+        for mask in table.values():
+            assert mask & free == 0 and mask >> index._next_position == 0
+
+
+def assert_table_is_exact(index: BlockIndex) -> None:
+    """With nothing left to sweep, the table has registered workers' bits only (and the
+    mark of a compaction under way), and no key without a holder."""
+    assert index.pending_sweep() == 0
+    mark = index._compaction.mark if index._compaction is not None else 0
+    allowed = index._all_bits | mark
+    for table in index._shards:
+        for mask in table.values():
+            assert mask & ~allowed == 0, "a retired bit was left behind"
+            assert mask & allowed, "a key nobody holds was left behind"
+    assert_no_stray_bits(index)
+
+
+class CountingDict(dict):  # type: ignore[type-arg]
+    """A shard of the table that counts the index's reads and writes of it."""
+
+    ops = 0
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        CountingDict.ops += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        CountingDict.ops += 1
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        CountingDict.ops += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        CountingDict.ops += 1
+        super().__delitem__(key)
+
+
+def test_clearing_a_big_worker_is_constant_work_and_sweeps_are_bounded() -> None:
+    rng = random.Random(5)
+    index = BlockIndex()
+    index.add_worker("a")
+    index.add_worker("b")
+    keys = [rng.getrandbits(64) for _ in range(200_000)]
+    for i in range(0, len(keys), 16):  # as KV events bring them
+        index.store("a", keys[i : i + 16])
+    shared, own = keys[::2], [rng.getrandbits(64) for _ in range(1000)]
+    index.store("b", shared)
+    index.store("b", own)
+    index.speculate("a", own[:3])
+    index._shards[:] = [CountingDict(t) for t in index._shards]
+
+    CountingDict.ops = 0
+    index.clear_worker("a")
+    assert CountingDict.ops == 0  # not one key touched
+    assert index.pending_sweep() == 200_003
+    assert index.match(keys[:4]) == {"b": 1}  # a's entries are gone from every answer at once
+    assert index.match(own[:3]) == {"b": 3}
+    assert (index.num_blocks("a"), index.num_speculative("a"), len(index)) == (0, 0, 101_000)
+
+    left = index.pending_sweep()
+    while left:
+        before = CountingDict.ops
+        now = index.sweep(1000)
+        assert now == left - min(1000, left)
+        assert CountingDict.ops - before <= 2 * 1000  # a read, at most one write, a key
+        left = now
+    fresh = BlockIndex()
+    fresh.add_worker("b")
+    fresh.store("b", shared)
+    fresh.store("b", own)
+    assert holders(index) == holders(fresh)
+    assert_table_is_exact(index)
+    assert index.summary()["distinct_blocks"] == fresh.summary()["distinct_blocks"]
+
+
+def test_clears_and_removals_pile_up_before_a_sweep(index: BlockIndex) -> None:
+    index.add_worker("a")
+    index.add_worker("b")
+    index.store("a", [1, 2, 3])
+    index.store("b", [1, 2])
+    index.clear_worker("a")
+    index.store("a", [1, 5])
+    index.speculate("a", [1, 5, 7])
+    index.clear_worker("a")  # twice before a sweep: two of a's bits retired
+    index.store("a", [1, 6])
+    index.remove_worker("b")  # while a's old bits are still retired
+    index.add_worker("b")  # back: a bit that was neither its own nor a's
+    index.add_worker("c")
+    assert index.pending_sweep() == 3 + 2 + 1 + 2
+    assert index.match([1, 2, 3]) == {"a": 1}
+    assert index.match([1, 5, 7]) == {"a": 1}
+    assert index.match([1, 6]) == {"a": 2}
+    assert (index.num_blocks("a"), index.num_blocks("b"), len(index)) == (2, 0, 2)
+    assert_no_stray_bits(index)
+    bits = {index._workers[w].bit for w in ("a", "b", "c")}
+    assert len(bits) == 3 and max(bits).bit_length() == 6  # 3 retired below them
+
+    while index.sweep(2):
+        assert_no_stray_bits(index)
+    assert holders(index) == {1: {"a"}, 6: {"a"}}
+    assert_table_is_exact(index)
+    index.add_worker("d")  # takes a swept bit: inherits nothing
+    assert index.match([1, 2, 3]) == {"a": 1}
+    assert index.match([1, 5]) == {"a": 1}
+    index.store("d", [1, 2])
+    assert index.match([1, 2, 3]) == {"a": 1, "d": 2}
+
+
+def test_churn_keeps_a_worker_log_bounded(index: BlockIndex) -> None:
+    """The same blocks evicted and stored again and again (a popular prefix under memory
+    pressure) leave the worker's log a few times its size, not growing with the churn."""
+    index.add_worker("a")
+    index.add_worker("b")
+    keys = list(range(10_000, 11_000))
+    index.store("b", keys[:500])
+    longest = 0
+    for _ in range(50):
+        for i in range(0, len(keys), 16):
+            index.store("a", keys[i : i + 16])
+        w, job = index._workers["a"], index._compaction
+        backlog = len(job.src) - job.pos if job is not None and job.src is not None else 0
+        longest = max(longest, len(w.log) + backlog)
+        assert set(keys) <= set(w.log) | set(job.src[job.pos :] if backlog else [])
+        index.remove("a", keys)
+        assert index.match(keys) == {"b": 500}
+    assert longest <= 3 * len(keys) + index._compact_slack
+    assert index.num_blocks("a") == 0
+    index.store("a", keys[:10])
+    assert index.num_blocks("a") == 10 and index.match(keys) == {"a": 10, "b": 500}
+
+
+@pytest.mark.parametrize(("n_holders", "limit"), [(1, 100), (2, 60)])
+def test_memory_per_entry(n_holders: int, limit: int) -> None:
+    """Bytes per (block, worker) entry: a key with one holder costs its int, its dict slot
+    and 8 bytes of log; a second holder adds little more than its own log entry."""
     rng = random.Random(7)
     workers = [f"w{i}" for i in range(8)]
     tracemalloc.start()
@@ -294,20 +470,21 @@ def test_memory_per_entry_under_200_bytes() -> None:
         index = BlockIndex()
         for w in workers:
             index.add_worker(w)
-        # 200k distinct 64-bit keys (top bit set: the widest ints), each on 2 of 8 workers;
-        # the keys are created inside the trace, since in service the index keeps them alive.
+        # 200k distinct 64-bit keys (top bit set: the widest ints), each on `n_holders` of 8
+        # workers; the keys are created inside the trace, since in service the index keeps
+        # them alive.
         for _ in range(200):
             chunk = [rng.getrandbits(63) | (1 << 63) for _ in range(1000)]
             for h in chunk:
-                for w in rng.sample(workers, 2):
+                for w in rng.sample(workers, n_holders):
                     index.store(w, (h,))
             del chunk
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert len(index) == 400_000
+    assert len(index) == 200_000 * n_holders
     per_entry = used / len(index)
-    assert per_entry <= 200, f"{per_entry:.0f} bytes per entry"
+    assert per_entry <= limit, f"{per_entry:.0f} bytes per entry"
     # The debug figure is a rough estimate of the same thing.
     assert 0.5 * used <= index.summary()["approx_bytes"] <= 2 * used
 
@@ -405,6 +582,14 @@ class Model:
     def num_speculative(self, w: str) -> int:
         return sum(1 for expiry, _ in self.spec[w].values() if expiry > self.clock.now)
 
+    def holders(self) -> dict[int, frozenset[str]]:
+        out: dict[int, frozenset[str]] = {}
+        for h in range(1, 13):
+            ids = frozenset(w for w in self.tracked if self.held(w, h))
+            if ids:
+                out[h] = ids
+        return out
+
     def match(self, hashes: list[int]) -> dict[str, int]:
         result = {}
         for w in self.tracked:
@@ -426,6 +611,10 @@ class IndexMatchesModel(RuleBasedStateMachine):
             approx_capacity_blocks=APPROX_CAPACITY,
             clock=self.clock,
         )
+        # Compaction of the smallest logs, one entry a step: one is under way most of the
+        # time, across clears, removals and sweeps.
+        self.index._compact_slack = 0
+        self.index._compact_work = 1
         self.model = Model(self.clock)
 
     @initialize(tracked=st.lists(st.booleans(), min_size=1, max_size=len(WORKERS)))
@@ -475,6 +664,25 @@ class IndexMatchesModel(RuleBasedStateMachine):
             self.index.remove(w, hashes)
             self.model.remove(w, hashes)
 
+    @rule(w=st.sampled_from(WORKERS), hashes=chains, times=st.integers(1, 3))
+    def evict_and_store_again(self, w: str, hashes: list[int], times: int) -> None:
+        """A prefix evicted and computed again: dead entries pile up in the worker's log
+        until a compaction rewrites it."""
+        if self._known(w):
+            for _ in range(times):
+                self.index.remove(w, hashes)
+                self.model.remove(w, hashes)
+                self.index.store(w, hashes)
+                self.model.store(w, hashes)
+
+    @rule(w=st.sampled_from(WORKERS), hashes=chains)
+    def speculate_then_store(self, w: str, hashes: list[int]) -> None:
+        """The usual course: routed there, then the worker's events confirm the guess."""
+        if self._known(w):
+            assert self.index.speculate(w, hashes) == self.model.speculate(w, hashes)
+            self.index.store(w, hashes[: len(hashes) // 2 + 1])
+            self.model.store(w, hashes[: len(hashes) // 2 + 1])
+
     @rule(w=st.sampled_from(WORKERS), evs=st.lists(events, max_size=4))
     def apply(self, w: str, evs: list[KVCacheEvent | UnknownEvent]) -> None:
         if self._known(w):
@@ -514,6 +722,32 @@ class IndexMatchesModel(RuleBasedStateMachine):
     @rule(hashes=chains)
     def match(self, hashes: list[int]) -> None:
         assert self.index.match(hashes) == self.model.match(hashes)
+
+    @rule(max_keys=st.integers(1, 4))
+    def sweep(self, max_keys: int) -> None:
+        before = self.index.pending_sweep()
+        assert self.index.sweep(max_keys) == before - min(before, max_keys)
+
+    @rule()
+    def sweep_everything(self) -> None:
+        while self.index.sweep(3):
+            pass
+        assert_table_is_exact(self.index)
+
+    @invariant()
+    def table_holds_what_the_model_holds(self) -> None:
+        """Every key's live bits are its holders', no bit is stray, and each worker's log
+        has every block it holds (else a clear would leave a bit behind)."""
+        self.index.match([])  # let expired guesses go, as every query does first
+        assert_no_stray_bits(self.index)
+        assert holders(self.index) == self.model.holders()
+        job = self.index._compaction
+        for w, blocks in self.model.blocks.items():
+            worker = self.index._workers[w]
+            logged = set(worker.log)
+            if job is not None and job.worker is worker and job.src is not None:
+                logged |= set(job.src[job.pos :])
+            assert blocks <= logged
 
     @invariant()
     def every_key_and_base_chain_matches(self) -> None:

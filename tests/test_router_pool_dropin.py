@@ -574,3 +574,27 @@ def test_a_whole_answer_teaches_nothing_it_cannot_tell() -> None:
     assert state.finish_whole(ticket, 1.0, 11) == pytest.approx(0.9)
     assert state.finish_whole(ticket, 1.0, 11) is None  # once
     assert state.prefill.observations == 2
+
+
+# -- clearing a big worker ------------------------------------------------------------------
+
+
+async def test_a_worker_going_down_leaves_the_index_in_slices_between_other_work(
+    pool_of: Setup,
+) -> None:
+    a, b = Worker(), Worker()
+    pool, _ = await pool_of(a, b)
+    pool.index.store("w1", range(1, 200_001))
+    pool.index.store("w2", range(1, 1001))
+    pool.mark_down(pool.workers["w1"], "test")
+    # gone from every lookup at once; its entries still to sweep
+    assert pool.match(list(range(1, 11))) == {"w2": (10, None)}
+    assert pool.index.pending_sweep() >= 200_000
+    # the loop keeps turning while the sweep goes on, in many slices, not one
+    ticks = 0
+    while pool.index.pending_sweep():
+        await asyncio.sleep(0)
+        ticks += 1
+    assert ticks >= 50
+    assert pool.index.num_entries() == 1000
+    assert pool.index.summary()["distinct_blocks"] == 1000
