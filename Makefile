@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-overhead run demo crd dashboards chart clean
+.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -43,6 +43,7 @@ bench: install
 	$(PY) bench/sim_fleet.py
 	$(PY) bench/routing.py
 	$(PY) bench/router_overhead.py
+	$(PY) bench/index.py
 	$(PY) bench/flow_control.py
 
 # A tenant's TTFT while another floods the pool, with flow control, without, and alone;
@@ -57,6 +58,15 @@ bench-routing: install
 # Session affinity on and off on the multi-turn workload, beside the SGLang router.
 bench-affinity: install
 	$(PY) bench/routing.py --affinity
+
+# Two router replicas sharing their load against one router (groups, one-system-prompt).
+bench-replicas: install
+	$(PY) bench/routing.py --replicas
+
+# The block index at fleet scale: bytes per entry, event apply rate, the stall of clearing
+# a 1M-block worker, decision time; the previous index in the same run.
+bench-index: install
+	$(PY) bench/index.py
 
 # The latency the router adds, its highest sustained rate (beside the SGLang router), and
 # its decision time with 64 workers and 1M indexed blocks.
