@@ -1230,7 +1230,14 @@ def render(
     if long is not None:
         goal_lines.append(
             "- added TTFT of 1k, 4k and 16k-token streamed chats at most the SGLang router's: "
-            f"{met(goals['long_prompts'])}"
+            f"{met(goals['long_prompts'])} (its first chunk waits for a delayed ACK; against "
+            "its time to headers, the routing work alone: "
+            + ", ".join(
+                f"{k} {long['kvpool']['added_ttft_ms'][k]:.1f} vs "
+                f"{long['sglang']['added_headers_ms'][k]:.1f} ms"
+                for k in LONG_SIZES
+            )
+            + ")"
         )
     cores = setup["cores"]
     others = [x for f in fig.values() for x in f["others_cores"]]
@@ -1353,6 +1360,21 @@ def plot(results: dict[str, dict[str, Any]], fig: dict[str, Any], path: Path, li
     plt.close(figure)
 
 
+def index_figures(results: Path) -> dict[str, Any]:
+    """The index's own figures the issue names beside these, from ``bench/index.py``'s
+    latest run (its results file, dated): that benchmark builds 50M entries, too long to
+    run here again."""
+    path = results / "index.json"
+    if not path.is_file():
+        return {}
+    index = json.loads(path.read_text())
+    keys = ("index_bytes_per_entry", "index_max_stall_ms", "event_apply_blocks_per_s")
+    return {
+        **{k: index[k] for k in keys if k in index},
+        "index_from": f"bench/index.py, {index.get('date', '?')}",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path(".cache/tiny-model"))
@@ -1445,6 +1467,7 @@ def main() -> int:
         "targets": fig,
         "decision": decision,
     }
+    out |= index_figures(args.results_dir)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "router_overhead.md").write_text(header + "\n" + text + "\n")
     (args.results_dir / "router_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
