@@ -244,7 +244,9 @@ def test_kvpool_no_affinity_is_the_default_policy_with_affinity_weight_zero(
         return argv[argv.index("serve") + 1 :]
 
     assert flags("kvpool", []) == [
-        *("--model", str(tmp_path), "--port", "9", "--policy", "kvpool", "--worker", "http://w")
+        *("--model", str(tmp_path), "--port", "9"),
+        *("--max-connections-per-client", "1000000"),  # one load generator for every user
+        *("--policy", "kvpool", "--worker", "http://w"),
     ]
     off = flags("kvpool-no-affinity", ["--affinity-weight", "0.5"])
     assert off[off.index("--policy") :] == [
