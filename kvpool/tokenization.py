@@ -289,7 +289,7 @@ class PrefixTokenCache:
     ) -> None:
         """Remember a text's cuts, its ids stored once; the least recently used entries go
         while the whole is over ``capacity_bytes`` (a text too big for it is not kept)."""
-        size = 4 * len(ids) + 64
+        size = self._ids_bytes(len(ids))
         if size + self.ENTRY_BYTES > self.capacity_bytes:
             return
         try:
@@ -310,13 +310,18 @@ class PrefixTokenCache:
             while self.bytes > self.capacity_bytes and self._entries:
                 self._release(self._entries.popitem(last=False)[1][1])
 
+    @staticmethod
+    def _ids_bytes(count: int) -> int:
+        """What a text's ids take once kept: 4 bytes an id, and the array's own header."""
+        return 4 * count + 64
+
     def _release(self, ids: array[int]) -> None:
         self.bytes -= self.ENTRY_BYTES
         shared = self._shared[id(ids)]
         shared[1] -= 1
         if not shared[1]:
             del self._shared[id(ids)]
-            self.bytes -= 4 * len(ids) + 64
+            self.bytes -= self._ids_bytes(len(ids))
 
     def _chunk_keys(self, text: str) -> list[tuple[int, bytes]]:
         h = hashlib.blake2b(digest_size=16)

@@ -210,8 +210,7 @@ class WorkerState:
         )
         self.in_flight += 1
         self.queued[id(ticket)] = ticket
-        if self.on_load is not None:
-            self.on_load(self)
+        self._load_changed()
         return ticket
 
     def first_token(self, ticket: Ticket, now: float) -> float:
@@ -222,8 +221,7 @@ class WorkerState:
             self.queued.pop(id(ticket), None)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
-            if self.on_load is not None:
-                self.on_load(self)
+            self._load_changed()
         return ttft
 
     def finish_whole(
@@ -260,6 +258,10 @@ class WorkerState:
         else:
             self.itl += ITL_WEIGHT * (seconds - self.itl)
 
+    def _load_changed(self) -> None:
+        if self.on_load is not None:
+            self.on_load(self)
+
     def set_models(self, cards: list[dict[str, Any]]) -> None:
         """Take a worker's ``/v1/models`` cards. The base model is kvpool's own word when it
         has one, else vLLM's base card (the one without a ``parent``), else the first."""
@@ -278,8 +280,7 @@ class WorkerState:
             ticket.ended = True
             self.in_flight -= 1
             self.queued.pop(id(ticket), None)
-            if self.on_load is not None:
-                self.on_load(self)
+            self._load_changed()
 
 
 @dataclass

@@ -295,23 +295,16 @@ class Router:
                 "tcp://" + e.url.split("://", 1)[1] for e in endpoints if e.id != me
             )
 
-        try:
-            await KubernetesDiscovery(s.namespace, s.peer_selector, port).run(on_change)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("router peer discovery failed; the peers known so far stay")
+        peers = KubernetesDiscovery(s.namespace, s.peer_selector, port)
+        await _follow(peers, on_change, "router peer discovery failed; the peers known so far stay")
 
     async def _discover(self) -> None:
         def on_change(endpoints: list[WorkerEndpoint]) -> None:
             self._pool().set_endpoints(endpoints)
 
-        try:
-            await self.discovery.run(on_change)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("worker discovery failed; the workers known so far stay")
+        await _follow(
+            self.discovery, on_change, "worker discovery failed; the workers known so far stay"
+        )
 
     async def shutdown(self) -> None:
         if self.gate is not None:
@@ -1530,6 +1523,17 @@ class _RelayResponse(StreamingResponse):
                 await self.stream_response(send)
         finally:
             await self.relay.close()
+
+
+async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
+    """Run a discovery until cancelled; a failure (logged as ``failed``) leaves what it
+    found so far in place."""
+    try:
+        await discovery.run(on_change)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception(failed)
 
 
 @asynccontextmanager

@@ -21,7 +21,7 @@ ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
 
 def test_demo_routes_a_shared_system_prompt_to_its_cache(llama_dir: Path) -> None:
     done = subprocess.run(
-        [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0", "--demo"],
+        [*up_argv(llama_dir), "--demo"],
         env=ENV,
         capture_output=True,
         text=True,
@@ -37,19 +37,24 @@ def test_demo_routes_a_shared_system_prompt_to_its_cache(llama_dir: Path) -> Non
     assert ratio and float(ratio.group(1)) > 50
 
 
-def test_sigterm_stops_every_process_of_the_stack(llama_dir: Path) -> None:
+def up_argv(llama_dir: Path) -> list[str]:
+    """``kvpool up`` of simulated workers, the router on a free port."""
+    return [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0"]
+
+
+def start_up(argv: list[str]) -> tuple[subprocess.Popen[str], list[str]]:
+    """The stack running, and the URLs its first line names (the router's first)."""
     proc = subprocess.Popen(
-        [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0"],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
+    assert proc.stdout is not None
+    return proc, re.findall(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())
+
+
+def test_sigterm_stops_every_process_of_the_stack(llama_dir: Path) -> None:
+    proc, urls = start_up(up_argv(llama_dir))
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        urls = re.findall(r"http://127\.0\.0\.1:\d+", line)
-        assert len(urls) >= 3, line  # the router (twice: its API too) and two workers
+        assert len(urls) >= 3, urls  # the router (twice: its API too) and two workers
         assert httpx.get(urls[0] + "/health", timeout=5).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
@@ -71,17 +76,10 @@ def test_up_asks_for_keys_only_when_given_a_tenants_file(llama_dir: Path, tmp_pa
     key = "sk-local-0123456789abcdef"
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(f"tenants:\n  - name: me\n    keys: [{key}]\n")
-    argv = [*KVPOOL, "up", "--model", str(llama_dir), "--engine", "sim", "--port", "0"]
-    proc = subprocess.Popen(
-        [*argv, "--api-keys-file", str(tenants)],
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    argv = up_argv(llama_dir)
+    proc, urls = start_up([*argv, "--api-keys-file", str(tenants)])
     try:
-        assert proc.stdout is not None
-        router = re.findall(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())[0]
+        router = urls[0]
         assert httpx.get(router + "/v1/models", timeout=5).status_code == 401
         with_key = httpx.get(router + "/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert with_key.status_code == 200
