@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.worker.attention import AttentionMetadata, paged_attention, reference_attention
+from kvpool.worker.attention_flex import FlexDecode
 from kvpool.worker.engine import EngineConfig, LLMEngine
 from kvpool.worker.loader import load_model, load_tokenizer
 from kvpool.worker.model_runner import ModelRunner
@@ -134,6 +135,79 @@ def test_paged_attention_equals_the_plain_definition(rows, seed, gather) -> None
     got = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     expected = reference_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _scattered_batch(rows, gen, heads=4, kv_heads=2, head_dim=8, block_size=4, num_blocks=128):
+    """A ragged batch over blocks scattered through a cache whose earlier context is random:
+    ``rows`` are (new tokens, earlier context)."""
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    query_lens, seq_lens, tables = [], [], []
+    for q, ctx in rows:
+        total = q + ctx
+        tables.append([order.pop() for _ in range(-(-total // block_size))])
+        query_lens.append(q)
+        seq_lens.append(total)
+        slots = [tables[-1][i // block_size] * block_size + i % block_size for i in range(ctx)]
+        for cache in (k_cache, v_cache):
+            cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
+                len(slots), kv_heads, head_dim, generator=gen
+            )
+    t = sum(query_lens)
+    qkv = (
+        torch.randn(t, heads, head_dim, generator=gen),
+        torch.randn(t, kv_heads, head_dim, generator=gen),
+        torch.randn(t, kv_heads, head_dim, generator=gen),
+    )
+    return k_cache, v_cache, query_lens, seq_lens, tables, qkv
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        # decode rows ending mid-block, on a block's last slot and in a block of their own,
+        # beside a fresh prefill and a chunk on cached context (those take the other path)
+        [(1, 22), (1, 15), (1, 16), (1, 0), (5, 0), (3, 40), (1, 70)],
+        [(1, 47), (1, 2), (1, 90)],  # 3 rows: padded to a batch of 4
+    ],
+)
+def test_the_paged_decode_path_reads_the_cache_in_place_and_agrees(rows) -> None:
+    """Decode rows through FlexAttention over the block tables: the same attention as the
+    plain definition, while the gather path's padded copies are never built."""
+    gen = torch.Generator().manual_seed(len(rows))
+    k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
+        rows, gen, head_dim=32, block_size=16, num_blocks=512  # what inductor's CPU template handles
+    )
+    flex = FlexDecode(k_cache.shape[0], 16, max_rows=8, max_blocks_per_seq=8, device="cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", flex=flex)
+    assert meta.decode == [] and meta.flex is flex  # no gathered decode batch
+    assert flex.rows == sum(q == 1 for q, _ in rows)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, 32**-0.5)
+    expected = reference_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_paged_path_is_chosen_by_name_and_auto_follows_the_device(llama_dir: Path) -> None:
+    model = load_model(llama_dir)
+    assert ModelRunner(model, 16, 16, attention="paged").flex is not None
+    assert ModelRunner(model, 16, 16, attention="gather").flex is None
+    assert EngineConfig().resolved_attention(torch.device("cpu")) == "gather"
+    assert EngineConfig().resolved_attention(torch.device("cuda")) == "paged"
+    with pytest.raises(ValueError, match="not one of gather, paged"):
+        ModelRunner(model, 16, 16, attention="flash")
+
+
+def test_greedy_generation_on_the_paged_path_matches_hugging_face(llama_dir: Path) -> None:
+    config = EngineConfig(num_blocks=64, device="cpu", attention="paged", max_num_seqs=8)
+    engine = LLMEngine.from_pretrained(llama_dir, config)
+    assert engine.runner.flex is not None
+    hf = _hf(llama_dir)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for done in engine.generate(PROMPTS, params):
+        ids = torch.tensor([done.prompt_token_ids])
+        expected = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
+        assert done.token_ids == expected.tolist()
 
 
 def test_runner_returns_logits_only_for_sequences_due_a_token(llama_dir: Path) -> None:

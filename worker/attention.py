@@ -22,9 +22,13 @@ PyTorch's memory-efficient kernel takes masks but not grouped heads).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .attention_flex import FlexDecode
 
 #: context slots one padded decode gather may hold (rows x longest context)
 DECODE_GATHER_TOKENS = 32768
@@ -58,6 +62,9 @@ class AttentionMetadata:
     block_size: int
     prefills: list[PrefillRow] = field(default_factory=list)
     decode: list[DecodeBatch] = field(default_factory=list)
+    # the paged path: decode rows read the cache in place (``decode`` is then empty)
+    flex: FlexDecode | None = None
+    flex_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -67,6 +74,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         decode_gather_tokens: int = DECODE_GATHER_TOKENS,
+        flex: FlexDecode | None = None,
     ) -> AttentionMetadata:
         """Everything the layers need, computed once per step (index tensors, masks)."""
         starts = [0]
@@ -99,12 +107,19 @@ class AttentionMetadata:
                 queries = torch.arange(total - q, total, device=device)
                 mask = keys[None, :] <= queries[:, None]
                 prefills.append(PrefillRow(start, q, ctx.to(device), mask))
-        decode = [
-            _decode_batch(
-                decode_rows[a:b], decode_tables[a:b], decode_lens[a:b], block_size, device
-            )
-            for a, b in _gather_groups(decode_lens, decode_gather_tokens)
-        ]
+        flex_rows = None
+        if flex is not None and decode_rows:
+            flex.plan(decode_tables, decode_lens)
+            flex_rows = torch.tensor(decode_rows, device=device)
+            decode = []
+        else:
+            flex = None
+            decode = [
+                _decode_batch(
+                    decode_rows[a:b], decode_tables[a:b], decode_lens[a:b], block_size, device
+                )
+                for a, b in _gather_groups(decode_lens, decode_gather_tokens)
+            ]
         pieces = [torch.tensor(p) if isinstance(p, list) else p for p in slot_parts]
         slot_mapping = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
         return AttentionMetadata(
@@ -115,6 +130,8 @@ class AttentionMetadata:
             block_size=block_size,
             prefills=prefills,
             decode=decode,
+            flex=flex,
+            flex_rows=flex_rows,
         )
 
 
@@ -211,6 +228,8 @@ def paged_attention(
         kd = k_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         vd = v_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         out[d.q_index] = _sdpa(qd, kd, vd, d.mask, scale).squeeze(2)
+    if meta.flex is not None:
+        out[meta.flex_rows] = meta.flex.attend(q[meta.flex_rows], k_cache, v_cache, scale)
     return out
 
 

@@ -13,6 +13,7 @@ import logging
 import torch
 
 from .attention import AttentionMetadata
+from .attention_flex import FlexDecode
 from .model import LlamaModel
 from .scheduler import ScheduledBatch
 
@@ -43,13 +44,34 @@ def blocks_for_memory(
     return int(free_memory_bytes(device) * fraction) // kv_block_bytes(model, block_size, dtype)
 
 
+#: the decode attention paths ModelRunner can take
+ATTENTION_PATHS = ("gather", "paged")
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        *,
+        attention: str = "gather",
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+    ) -> None:
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION_PATHS)}")
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         c = model.config
+        self.flex = None
+        if attention == "paged":
+            longest = max_model_len or c.max_position
+            self.flex = FlexDecode(
+                num_blocks, block_size, max_num_seqs, -(-longest // block_size), self.device
+            )
         # zeros, not empty: padded decode rows read slot 0, and NaN * 0 would still be NaN
         self.kv_cache = torch.zeros(
             c.num_layers,
@@ -91,6 +113,7 @@ class ModelRunner:
             [seq.block_ids for seq in batch.seqs],
             self.block_size,
             self.device,
+            flex=self.flex,
         )
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # before the
         # forward pass is queued: copying it after would make the host wait for the GPU

@@ -38,6 +38,9 @@ class WorkerSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
+    # decode attention: auto is "paged" (in place, compiled FlexAttention) on CUDA and
+    # "gather" (padded copies, no compiler needed) elsewhere; see kvpool.worker.attention
+    attention: Literal["auto", "gather", "paged"] = "auto"
     seed: int = 0
     # serving
     max_waiting_tokens: int | None = Field(None, ge=1)  # default: 8 steps' worth of tokens
