@@ -174,10 +174,11 @@ def _scattered_batch(rows, gen, heads=4, kv_heads=2, head_dim=8, block_size=4, n
 )
 def test_the_paged_decode_path_reads_the_cache_in_place_and_agrees(rows) -> None:
     """Decode rows through FlexAttention over the block tables: the same attention as the
-    plain definition, while the gather path's padded copies are never built."""
+    plain definition, while the gather path's padded copies are never built. (Head and block
+    sizes as the engine's: inductor's CPU kernel takes 16 and up.)"""
     gen = torch.Generator().manual_seed(len(rows))
     k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
-        rows, gen, head_dim=32, block_size=16, num_blocks=512  # what inductor's CPU template handles
+        rows, gen, head_dim=32, block_size=16, num_blocks=512
     )
     flex = FlexDecode(k_cache.shape[0], 16, max_rows=8, max_blocks_per_seq=8, device="cpu")
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", flex=flex)
