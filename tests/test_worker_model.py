@@ -107,31 +107,11 @@ def test_paged_attention_equals_the_plain_definition(rows, seed, gather) -> None
     """Ragged batches mixing decode rows, fresh prefills and chunks on top of cached context,
     with blocks scattered over the cache."""
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 8, 4, 128
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    query_lens, seq_lens, tables = [], [], []
-    for q, ctx in rows:
-        total = q + ctx
-        n_blocks = -(-total // block_size)
-        tables.append([order.pop() for _ in range(n_blocks)])
-        query_lens.append(q)
-        seq_lens.append(total)
-        # earlier context already in the cache
-        slots = [tables[-1][i // block_size] * block_size + i % block_size for i in range(ctx)]
-        if slots:
-            k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
-                len(slots), kv_heads, head_dim, generator=gen
-            )
-            v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(
-                len(slots), kv_heads, head_dim, generator=gen
-            )
+    head_dim, block_size = 8, 4
+    k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
+        rows, gen, head_dim=head_dim, block_size=block_size
+    )
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu", gather)
-    t = sum(query_lens)
-    q = torch.randn(t, heads, head_dim, generator=gen)
-    k = torch.randn(t, kv_heads, head_dim, generator=gen)
-    v = torch.randn(t, kv_heads, head_dim, generator=gen)
     got = paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     expected = reference_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
