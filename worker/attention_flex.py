@@ -25,17 +25,10 @@ import threading
 
 import torch
 
-#: one compiled kernel per (device, dtype, batch bucket, shapes), shared by every layer
-_COMPILED: dict[tuple, object] = {}
+#: the compiled call, shared by every engine and layer; dynamo keeps one kernel per
+#: device, dtype and batch bucket under it
+_COMPILED: list = []
 _COMPILE_LOCK = threading.Lock()
-
-
-def flex_available() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError:  # pragma: no cover - PyTorch too old
-        return False
-    return True
 
 
 def _bucket(n: int) -> int:
@@ -144,7 +137,7 @@ class FlexDecode:
         qp[:rows, :, 0] = q
         keys = k_cache.view(1, -1, kv_heads, head_dim).transpose(1, 2)
         values = v_cache.view(1, -1, kv_heads, head_dim).transpose(1, 2)
-        out = _compiled(q.device, self.padded)(
+        out = _compiled()(
             qp,
             keys,
             values,
@@ -155,16 +148,13 @@ class FlexDecode:
         return out[:rows, :, 0]
 
 
-def _compiled(device: torch.device, padded: int):
-    key = (device.type, padded)
-    fn = _COMPILED.get(key)
-    if fn is None:
+def _compiled():
+    if not _COMPILED:
         with _COMPILE_LOCK:
-            fn = _COMPILED.get(key)
-            if fn is None:
+            if not _COMPILED:
                 from torch.nn.attention.flex_attention import flex_attention
 
-                # one entry per batch bucket, beyond dynamo's default of 8
+                # one entry per batch bucket (and device, dtype), beyond dynamo's default of 8
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-                fn = _COMPILED[key] = torch.compile(flex_attention, dynamic=False)
-    return fn
+                _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED[0]

@@ -60,8 +60,8 @@ class EngineConfig:
     kv_pin_timeout_s: float = 30.0  # pinned prefill blocks are freed if not pulled by then
     # decode attention: "gather" copies each context into a padded batch (any device);
     # "paged" reads the cache in place through compiled FlexAttention (see attention_flex);
-    # "auto" is paged on CUDA, where bench/engine.py measured it 3-4x faster per step, and
-    # gather on CPU, where it was faster and needs no compiler
+    # "auto" is paged on CUDA, where bench/engine.py measured it 3 to 5x faster per step,
+    # and gather on CPU, where it was faster and needs no compiler
     attention: str = "auto"
 
     def resolved_attention(self, device: torch.device) -> str:
