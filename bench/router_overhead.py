@@ -67,7 +67,8 @@ MODEL_NAME = "tiny-model"
 GOAL_ADDED_P50_MS = 1.0
 GOAL_ADDED_P99_MS = 5.0
 GOAL_DECISION_P99_MS = 1.0
-GOAL_RATE_RATIO = 0.5  # of the SGLang router's sustained rate
+GOAL_CPU_MS = 0.35  # router CPU per request
+GOAL_PROCESSES_RATIO = 1.7  # 2 processes against 1, on this machine
 
 
 # -- the zero-latency worker ------------------------------------------------------------------
@@ -378,10 +379,20 @@ def machine_busy_s() -> float:
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads."""
+    """User + system CPU seconds of a process, all its threads, and of its live child
+    processes (a router of several processes is a supervisor and its children)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children.update(int(c) for c in f.read().split())
+    for child in children:
+        with contextlib.suppress(OSError):
+            own += process_cpu_s(child)
+    return own
 
 
 async def run_phase(
@@ -535,19 +546,31 @@ class Target:
 
 
 def start_router(
-    name: str, model: Path, workers: list[str], cpus: set[int] | None, logs: Path
+    name: str,
+    model: Path,
+    workers: list[str],
+    cpus: set[int] | None,
+    logs: Path,
+    processes: int = 1,
 ) -> Target:
     port = free_ports(1)
     url = f"http://{HOST}:{port}"
     if name == "kvpool":
         argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
+        argv += ["--processes", str(processes)]
         for w in workers:
             argv += ["--worker", w]
         proc = start(argv, cpus, logs / "kvpool-router.log")
 
-        def ready() -> bool:
-            status, body = get(url + "/health")
-            return status == 200 and json.loads(body).get("workers_up") == len(workers)
+        def ready() -> bool:  # every process with every worker (health checks go to any)
+            up = {}
+            for _ in range(20 * processes):
+                status, body = get(url + "/health")
+                if status != 200:
+                    return False
+                answer = json.loads(body)
+                up[answer.get("process", 0)] = answer.get("workers_up")
+            return len(up) == processes and all(n == len(workers) for n in up.values())
 
         label = "kvpool router"
     else:
@@ -880,6 +903,48 @@ async def part_three(args: argparse.Namespace, model: Path, logs: Path) -> dict[
     return out
 
 
+# -- part 4: every core -----------------------------------------------------------------------
+
+
+async def part_four(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]:
+    """Each router given the whole machine (nothing pinned; the load generator and the
+    workers share it): the kvpool router with 1 and with 2 processes, and the SGLang
+    router (its own threads), through the same ramp."""
+    from kvpool.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    prompts, _ = request_mix(tokenizer, 400, args.system_tokens, (10, 100), seed=1)
+    mix = payloads(prompts, False, args.max_tokens)
+    stub, _, workers = start_stubs(args.workers, None, logs / "stub-workers-cores.log")
+    out: dict[str, Any] = {}
+    try:
+        for url in workers:
+            wait_until(lambda url=url: get(url + "/health")[0] == 200, stub, "the stub workers")
+        for label, name, processes in (
+            ("kvpool_1proc", "kvpool", 1),
+            ("kvpool_2proc", "kvpool", 2),
+            ("sglang", "sglang", 1),
+        ):
+            print(f"every core: {label}", file=sys.stderr, flush=True)
+            target = await asyncio.to_thread(
+                start_router, name, model, workers, None, logs, processes
+            )
+            assert target.proc is not None
+            client = Client(target.ports)
+            try:
+                await run_phase(client, mix, args.rate, args.warmup_s, seed=999)
+                await client.drain(10.0)
+                pids = {"router": target.proc.pid}
+                rate, steps = await ramp(client, mix, args, pids)
+            finally:
+                client.close()
+                stop(target.proc)
+            out[label] = {"max_rps": rate, "ramp": steps}
+    finally:
+        stop(stub)
+    return out
+
+
 # -- part 2: decision time --------------------------------------------------------------------
 
 
@@ -1113,6 +1178,24 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.1f}x" if b > 0 and a == a and b == b else "-"
 
 
+def render_cores(cores_all: dict[str, Any]) -> list[str]:
+    """The every-core table: each router given the whole machine."""
+    one = cores_all["kvpool_1proc"]["max_rps"]
+    rows = [
+        "| the whole machine to each router (load generator and workers share it) "
+        "| highest sustained rate, req/s | vs one kvpool process |",
+        "|---|---:|---:|",
+    ]
+    for label, name in (
+        ("kvpool_1proc", "kvpool router, 1 process"),
+        ("kvpool_2proc", "kvpool router, `--processes 2`"),
+        ("sglang", "SGLang router (its own threads)"),
+    ):
+        rate = cores_all[label]["max_rps"]
+        rows.append(f"| {name} | {rate:,.0f} | {rate / max(one, 1e-9):.2f}x |")
+    return rows
+
+
 def render_long(long: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """The long-prompt table and the huge prompt's lines."""
     kv, sg, di = long["kvpool"], long["sglang"], long["direct"]
@@ -1205,8 +1288,13 @@ def render(
         "added_p50": kv["main_added_p50_ms"] <= GOAL_ADDED_P50_MS,
         "added_p99": kv["main_added_p99_ms"] <= GOAL_ADDED_P99_MS,
         "decision_p99": d["decision_ms"]["p99"] <= GOAL_DECISION_P99_MS,
-        "rate": kv["max_rps"] >= GOAL_RATE_RATIO * sg["max_rps"],
+        "cpu_per_request": cpu_kv <= GOAL_CPU_MS,
+        "rate": kv["max_rps"] >= sg["max_rps"],
     }
+    cores_all = setup.get("cores_all")
+    if cores_all is not None:
+        one, two = cores_all["kvpool_1proc"]["max_rps"], cores_all["kvpool_2proc"]["max_rps"]
+        goals["processes"] = two >= GOAL_PROCESSES_RATIO * one
     long = setup.get("long")
     if long is not None:
         goals["long_prompts"] = all(
@@ -1224,9 +1312,17 @@ def render(
         f"{met(goals['added_p99'])} ({kv['main_added_p99_ms']:.2f} ms)",
         f"- decision time p99 <= {GOAL_DECISION_P99_MS:g} ms: {met(goals['decision_p99'])} "
         f"({d['decision_ms']['p99']:.3f} ms)",
-        f"- sustained rate within 2x of the SGLang router's: {met(goals['rate'])} "
+        f"- router CPU per request <= {GOAL_CPU_MS:g} ms: {met(goals['cpu_per_request'])} "
+        f"({cpu_kv:.3f} ms; the SGLang router's {cpu_sg:.3f} ms)",
+        f"- sustained rate on one core at least the SGLang router's: {met(goals['rate'])} "
         f"({kv['max_rps']:,.0f} vs {sg['max_rps']:,.0f} req/s)",
     ]
+    if cores_all is not None:
+        goal_lines.append(
+            f"- 2 processes sustain >= {GOAL_PROCESSES_RATIO:g}x one on this machine: "
+            f"{met(goals['processes'])} ({two:,.0f} vs {one:,.0f} req/s, "
+            f"{two / max(one, 1e-9):.2f}x)"
+        )
     if long is not None:
         goal_lines.append(
             "- added TTFT of 1k, 4k and 16k-token streamed chats at most the SGLang router's: "
@@ -1317,6 +1413,7 @@ def render(
             *drows,
             "",
             *(["## Long prompts", "", *render_long(long, args), ""] if long else []),
+            *(["## Every core", "", *render_cores(cores_all), ""] if cores_all else []),
             "## Goals",
             "",
             *goal_lines,
@@ -1399,6 +1496,11 @@ def main() -> int:
     parser.add_argument(
         "--only-long", action="store_true", help="only the long-prompt part, printed, not saved"
     )
+    parser.add_argument(
+        "--only-cores",
+        action="store_true",
+        help="only the every-core part (1 and 2 processes), printed, not saved",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.phase_s, args.short_phase_s, args.warmup_s = 1, 3.0, 2.0, 1.0
@@ -1418,9 +1520,14 @@ def main() -> int:
                 long = uvloop.run(part_three(args, args.model.resolve(), logs))
                 print("\n".join(render_long(long, args)))
                 return 0
+            if args.only_cores:
+                cores_all = uvloop.run(part_four(args, args.model.resolve(), logs))
+                print("\n".join(render_cores(cores_all)))
+                return 0
             results, setup = uvloop.run(part_one(args, args.model.resolve(), logs))
             print("long prompts", file=sys.stderr, flush=True)
             setup["long"] = uvloop.run(part_three(args, args.model.resolve(), logs))
+            setup["cores_all"] = uvloop.run(part_four(args, args.model.resolve(), logs))
         except Exception:
             for log in sorted(logs.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
@@ -1451,6 +1558,9 @@ def main() -> int:
         "sglang_added_p50_ms": sg["main_added_p50_ms"],
         "sglang_added_p99_ms": sg["main_added_p99_ms"],
         "direct_max_rps": fig["direct"]["max_rps"],
+        "max_rps_2proc": setup["cores_all"]["kvpool_2proc"]["max_rps"],
+        "max_rps_1proc_all_cores": setup["cores_all"]["kvpool_1proc"]["max_rps"],
+        "sglang_max_rps_all_cores": setup["cores_all"]["sglang"]["max_rps"],
         "router_cpu_ms_per_request": kv["main_cpu_ms_per_request"]["router"],
         "sglang_cpu_ms_per_request": sg["main_cpu_ms_per_request"]["router"],
         "long_prompt_added_ttft_ms": setup["long"]["kvpool"]["added_ttft_ms"],

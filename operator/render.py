@@ -719,6 +719,8 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
         "KVPOOL_ROUTER_PEER_BIND": f"tcp://0.0.0.0:{ROUTER_PEER_PORT}",
         "KVPOOL_ROUTER_PEER_SELECTOR": worker_selector(pool, "router"),
     }  # fmt: skip
+    if router.processes > 1:  # process i of each pod binds the peer port + i
+        data["KVPOOL_ROUTER_PROCESSES"] = str(router.processes)
     if engine.type == "vllm" and engine.kv_events.enabled:
         # vLLM has no /kvpool/info to say where its events are: tell the router.
         data["KVPOOL_ROUTER_WORKER_EVENTS_PORT"] = str(engine.kv_events.port)
@@ -987,7 +989,10 @@ def network_policies(
         clients = _peers(policy.clients_from, ()) + copy.deepcopy(watchers)
         router_ingress = [{"from": clients, "ports": [_tcp(ROUTER_PORT)]}] if clients else []
     # the replicas' load and speculations, from the other replicas only
-    router_ingress.append({"from": [copy.deepcopy(routers)], "ports": [_tcp(ROUTER_PEER_PORT)]})
+    peer_ports = _tcp(ROUTER_PEER_PORT)
+    if spec.router.processes > 1:  # each process of a pod binds a port of its own
+        peer_ports["endPort"] = ROUTER_PEER_PORT + spec.router.processes - 1
+    router_ingress.append({"from": [copy.deepcopy(routers)], "ports": [peer_ports]})
     return [
         _network_policy(pool, namespace, f"{pool}-workers", "worker", worker_ingress),
         _network_policy(pool, namespace, f"{pool}-router", "router", router_ingress),

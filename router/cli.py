@@ -27,8 +27,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     settings = build_settings(RouterSettings, settings_values(args, RouterSettings, ENV_PREFIX))
-    serve(settings, log_level="debug" if args.verbose else "info")
-    return 0
+    return serve(settings, log_level="debug" if args.verbose else "info")
 
 
 def _cmd_route(args: argparse.Namespace) -> int:

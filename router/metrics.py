@@ -12,11 +12,16 @@ not ask for it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from .policy import PD_REASONS
@@ -83,12 +88,82 @@ PD_PATHS = (
 PREFILL_FAILURES = (*RETRY_REASONS, "refused", "no_params")
 
 
+class Rows(msgspec.Struct):
+    """What one router process adds to the pod's figures: its own load on each worker,
+    its decisions, its queue. (The rest, what the workers say, every process knows.)"""
+
+    in_flight: dict[str, int] = {}
+    queued: dict[str, int] = {}
+    decisions: dict[str, dict[str, int]] = {}
+    queue: dict[str, int] = {}
+
+
+class Siblings:
+    """The rows of the other router processes on this port (:mod:`.processes`): each
+    writes its own file in the shared directory every :data:`SHARE_S`, and the process
+    answering a scrape adds the others' to its own."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory, f"rows-{os.getpid()}.msgpack")
+
+    def write(self, rows: Rows) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.msgpack.encode(rows))
+        os.replace(tmp, self.path)  # a reader sees the old rows or the new, never half
+
+    def others(self) -> list[Rows]:
+        found = []
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            if name.startswith("rows-") and name.endswith(".msgpack") and path != self.path:
+                with contextlib.suppress(OSError, msgspec.DecodeError):
+                    with open(path, "rb") as f:
+                        found.append(msgspec.msgpack.decode(f.read(), type=Rows))
+        return found
+
+
+#: how often a router process writes its rows for its siblings' scrapes
+SHARE_S = 1.0
+
+
+def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
+    now = time.monotonic()
+    return Rows(
+        in_flight={s.id: s.in_flight for s in workers},
+        queued={s.id: s.queued_tokens(now) for s in workers},
+        decisions={s.id: dict(s.decisions) for s in workers},
+        queue=dict(depth),
+    )
+
+
+def _added(rows: Rows, others: list[Rows]) -> Rows:
+    for other in others:
+        for mine, theirs in (
+            (rows.in_flight, other.in_flight),
+            (rows.queued, other.queued),
+            (rows.queue, other.queue),
+        ):
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0) + value
+        for worker, counts in other.decisions.items():
+            row = rows.decisions.setdefault(worker, {})
+            for reason, count in counts.items():
+                row[reason] = row.get(reason, 0) + count
+    return rows
+
+
 class _PoolCollector(Collector):
     def __init__(
-        self, workers: Callable[[], list[WorkerState]], indexed_blocks: Callable[[str], int]
+        self,
+        workers: Callable[[], list[WorkerState]],
+        indexed_blocks: Callable[[str], int],
+        rows: Callable[[], Rows],
     ) -> None:
         self.workers = workers
         self.indexed_blocks = indexed_blocks  # all of a worker's data-parallel ranks
+        self.rows = rows  # the additive figures: this process's, plus its siblings'
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -151,13 +226,13 @@ class _PoolCollector(Collector):
                 labels=["worker"],
             ),
         }
-        now = time.monotonic()
+        rows = self.rows()
         for s in self.workers():
             w = [s.id]
             families["up"].add_metric(w, 1.0 if s.routable else 0.0)
             families["compatible"].add_metric(w, 1.0 if s.compatible else 0.0)
-            families["in_flight"].add_metric(w, s.in_flight)
-            families["queued"].add_metric(w, s.queued_tokens(now))
+            families["in_flight"].add_metric(w, rows.in_flight.get(s.id, 0))
+            families["queued"].add_metric(w, rows.queued.get(s.id, 0))
             families["blocks"].add_metric(w, self.indexed_blocks(s.id))
             families["rate"].add_metric(w, s.prefill.rate)
             families["events"].add_metric(w, s.events_seen)
@@ -165,14 +240,14 @@ class _PoolCollector(Collector):
             families["gaps"].add_metric(w, stats.gaps if stats else 0)
             families["resyncs"].add_metric(w, stats.resyncs if stats else 0)
             families["mismatches"].add_metric(w, s.mismatches)
-            for reason, count in s.decisions.items():
+            for reason, count in rows.decisions.get(s.id, {}).items():
                 families["decisions"].add_metric([s.id, reason], count)
         yield from families.values()
 
 
 class _QueueCollector(Collector):
     def __init__(self, depth: Callable[[], dict[str, int]]) -> None:
-        self.depth = depth
+        self.depth = depth  # this process's and its siblings'
 
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
@@ -188,8 +263,14 @@ class _QueueCollector(Collector):
 
 class RouterMetrics:
     def __init__(
-        self, workers: Callable[[], list[WorkerState]], indexed_blocks: Callable[[str], int]
+        self,
+        workers: Callable[[], list[WorkerState]],
+        indexed_blocks: Callable[[str], int],
+        shared: str | None = None,
     ) -> None:
+        """``shared``: the runtime directory of a router of several processes
+        (:mod:`.processes`), whose ``/metrics`` then adds up every process's figures."""
+        self.workers = workers
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "kvpool_router_requests",
@@ -340,12 +421,33 @@ class RouterMetrics:
         for reason in ("ttft", "guard", "concurrency"):
             self.saturated.labels(reason)
         self._queue_depth: Callable[[], dict[str, int]] = lambda: {}
-        r.register(_PoolCollector(workers, indexed_blocks))
-        r.register(_QueueCollector(lambda: self._queue_depth()))
+        self.siblings = Siblings(shared) if shared else None
+        if self.siblings is not None:
+            # Counters and histograms: prometheus_client's multiprocess files (the process
+            # was started with PROMETHEUS_MULTIPROC_DIR), added up across processes.
+            r = self.exposed = CollectorRegistry()
+            MultiProcessCollector(r)
+        else:
+            self.exposed = r
+        r.register(_PoolCollector(workers, indexed_blocks, self._rows))
+        r.register(_QueueCollector(lambda: self._rows().queue))
 
     def watch_queue(self, depth: Callable[[], dict[str, int]]) -> None:
         """Where ``kvpool_router_queue_depth`` reads each band's waiting requests."""
         self._queue_depth = depth
 
+    def _rows(self) -> Rows:
+        rows = own_rows(self.workers(), self._queue_depth())
+        return _added(rows, self.siblings.others()) if self.siblings is not None else rows
+
+    async def share(self) -> None:
+        """Write this process's rows for its siblings' scrapes, every :data:`SHARE_S`."""
+        if self.siblings is None:
+            return
+        while True:
+            with contextlib.suppress(OSError):
+                self.siblings.write(own_rows(self.workers(), self._queue_depth()))
+            await asyncio.sleep(SHARE_S)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

@@ -458,6 +458,10 @@ class RunningRouter(RunningServer):
         #: sent on /debug/* (an admin tenant's key, for a router that checks keys)
         self.debug_headers: dict[str, str] = {}
 
+    def active(self) -> int:
+        """Requests past admission that have not ended."""
+        return int(self.router.active)
+
     def workers(self) -> dict[str, dict[str, Any]]:
         resp = httpx.get(self.url + "/debug/workers", headers=self.debug_headers, timeout=10)
         rows = resp.json()["workers"]
@@ -476,9 +480,81 @@ class RunningRouter(RunningServer):
         )
 
 
+class RouterProcesses(RunningRouter):
+    """``kvpool router serve --processes N``: a supervisor process and N router processes
+    on one port, driven like :class:`RunningRouter` (but with no ``router`` inside)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        self.values = values
+        port = free_port()
+        argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+        argv += ["router", "serve", "--port", str(port)]
+        for name, value in values.items():
+            for item in value if isinstance(value, list) else [value]:
+                argv += ["--" + name.replace("_", "-"), str(item)]
+        self.log = tempfile.NamedTemporaryFile(prefix="router-processes-", suffix=".log")
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        self.debug_headers = {}
+        try:
+            wait_healthy(self.url, self.proc, 60.0)
+        except StackError as exc:
+            self.proc.kill()
+            self.log.seek(0)
+            output = self.log.read().decode()
+            raise RuntimeError(f"the router did not start: {exc}\n{output}") from None
+
+    def active(self) -> int:
+        """Requests the router has in flight, summed over its processes (from /metrics)."""
+        return int(sum(v for (n, _), v in self.metrics().items() if n == PROCESS_IN_FLIGHT))
+
+    def health_by_process(self, tries: int = 200) -> dict[int, dict[str, Any]]:
+        """``/health`` by the process that answered, over ``tries`` new connections."""
+        seen = {}
+        for _ in range(tries):
+            answer = httpx.get(self.url + "/health").json()
+            seen[answer["process"]] = answer
+        return seen
+
+    def wait_workers_up(self, n: int, timeout: float = 30.0) -> None:
+        """Until every process has ``n`` workers in rotation."""
+        count = int(self.values.get("processes", 1))
+
+        def up() -> bool:
+            seen = self.health_by_process(tries=50)
+            return len(seen) == count and all(h["workers_up"] >= n for h in seen.values())
+
+        self.wait_for(up, timeout)
+
+    def terminate(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+PROCESS_IN_FLIGHT = "kvpool_router_worker_in_flight_requests"
+
+
 @pytest.fixture
 def start_router(llama_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
-    """Start routers (settings as keywords; ``worker`` a list of specs)."""
+    """Start routers (settings as keywords; ``worker`` a list of specs). ``processes`` > 1
+    starts ``kvpool router serve --processes N`` as a process of its own."""
     from kvpool.router.server import Router, uvicorn_server
     from kvpool.router.settings import RouterSettings
 
@@ -486,6 +562,9 @@ def start_router(llama_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
 
     def start(**values: Any) -> RunningRouter:
         values.setdefault("model", str(llama_dir))
+        if values.get("processes", 1) > 1:
+            running.append(RouterProcesses(values))
+            return running[-1]
         values.setdefault("port", 0)
         settings = RouterSettings(**values)
         router = Router(settings)

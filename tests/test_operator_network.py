@@ -108,7 +108,10 @@ def may_connect(policies: list[dict[str, Any]], source: Pod, target: Pod, port: 
     for policy in applying:
         for rule in policy["spec"].get("ingress") or []:
             ports = rule.get("ports")
-            if ports and not any(p["port"] == port and p["protocol"] == "TCP" for p in ports):
+            if ports and not any(
+                p["port"] <= port <= p.get("endPort", p["port"]) and p["protocol"] == "TCP"
+                for p in ports
+            ):
                 continue
             peers = rule.get("from")
             assert peers != [], "an empty from admits everyone: never rendered"
@@ -181,6 +184,23 @@ def test_router_replicas_reach_each_others_peer_port_and_nobody_else_does() -> N
     assert not may_connect(policies, STRANGER, pods["router"], ROUTER_PEER_PORT)
     for role in ("prefill", "decode"):
         assert not may_connect(policies, pods[role], pods["router"], ROUTER_PEER_PORT)
+
+
+def test_router_processes_reach_each_others_peer_ports_across_replicas() -> None:
+    spec = {**DISAGGREGATED, "router": {"replicas": 2, "processes": 3}}
+    children = pool(spec)
+    policies, pods = policies_of(children), pods_of(children)
+    (config,) = [
+        c for c in children if c["kind"] == "ConfigMap" and "-router" in c["metadata"]["name"]
+    ]
+    assert config["data"]["KVPOOL_ROUTER_PROCESSES"] == "3"
+    for port in range(ROUTER_PEER_PORT, ROUTER_PEER_PORT + 3):  # process i binds port + i
+        assert may_connect(policies, pods["router"], pods["router"], port)
+        assert not may_connect(policies, STRANGER, pods["router"], port)
+    assert not may_connect(policies, pods["router"], pods["router"], ROUTER_PEER_PORT + 3)
+    # and one process opens only the one port, as before
+    alone = pool(DISAGGREGATED)
+    assert not may_connect(policies_of(alone), pods["router"], pods["router"], ROUTER_PEER_PORT + 1)
 
 
 def test_decode_workers_pull_kv_from_prefill_workers_over_http_only() -> None:

@@ -465,6 +465,7 @@ RESERVED_ROUTER_SETTINGS = tuple(
     for name in (
         "api_keys_file",
         "pool_secret",
+        "processes",
         *FLOW_CONTROL_SETTINGS.values(),
         *CLIENT_LIMIT_SETTINGS.values(),
     )
@@ -513,6 +514,13 @@ class RouterSpec(RuledSpec):
     )
 
     replicas: int = Field(1, ge=1, le=100)
+    processes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="router processes in each pod, sharing its port: one per core it may"
+        " use (give it that much CPU in resources)",
+    )
     image: str | None = Field(None, max_length=1024, description="default: the operator's")
     image_pull_policy: PullPolicy | None = None
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
