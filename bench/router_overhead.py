@@ -630,11 +630,15 @@ def payloads(prompts: list[str], stream: bool, max_tokens: int) -> list[bytes]:
 
 
 async def ramp(
-    client: Client, mix: list[bytes], args: argparse.Namespace, pids: dict[str, int]
+    client: Client,
+    mix: list[bytes],
+    args: argparse.Namespace,
+    pids: dict[str, int],
+    refine: int = 2,
 ) -> tuple[float, list[dict[str, Any]]]:
     """Raise the offered rate 1.5x a step until a step is not sustained (twice), or lower
-    it until one is, then halve the gap twice; returns the highest rate sustained (0 if
-    none from 10 req/s) and every step."""
+    it until one is, then halve the gap ``refine`` times; returns the highest rate
+    sustained (0 if none from 10 req/s) and every step."""
     steps: list[dict[str, Any]] = []
 
     async def step(rate: float) -> bool:
@@ -675,7 +679,7 @@ async def ramp(
                 break
             bad, rate = rate, rate / 1.5
     if bad is not None and good:
-        for _ in range(2):
+        for _ in range(refine):
             mid = (good * bad) ** 0.5
             if await step(mid):
                 good = mid
@@ -935,7 +939,9 @@ async def part_four(args: argparse.Namespace, model: Path, logs: Path) -> dict[s
                 await run_phase(client, mix, args.rate, args.warmup_s, seed=999)
                 await client.drain(10.0)
                 pids = {"router": target.proc.pid}
-                rate, steps = await ramp(client, mix, args, pids)
+                # two more halvings than the other ramps: the ratio of two rates is the
+                # figure here, and two halvings leave each within ~10%
+                rate, steps = await ramp(client, mix, args, pids, refine=4)
             finally:
                 client.close()
                 stop(target.proc)

@@ -108,7 +108,9 @@ class PeerLink:
         self._on_speculated = on_speculated
         self._key = derive_credential(secret, "router-peers").encode() if secret else None
         self._ctx = zmq.asyncio.Context.instance()
-        self._pub: zmq.asyncio.Socket | None = None
+        # sends never wait (NOBLOCK, dropped when full), so a plain socket: an asyncio
+        # one wraps every send in a future
+        self._pub: zmq.Socket[bytes] | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # peer -> worker -> (in flight, queued, heard at)
@@ -121,7 +123,7 @@ class PeerLink:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        pub = self._ctx.socket(zmq.PUB)
+        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.bind(self.bind_endpoint)

@@ -35,13 +35,13 @@ import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
@@ -56,6 +56,7 @@ from kvpool.tokenization import (
     render_chat_text,
 )
 
+from .admin import route_answer, worker_rows
 from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
@@ -65,6 +66,13 @@ from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest, saturation
 from .pool import Ticket, WorkerPool, WorkerState
 from .processes import ProcessSlot, expand_peer, supervise
+from .relay import (
+    Failed,
+    Relay,
+    RelayResponse,
+    error_message,
+    until_client_leaves,
+)
 from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
 from .sse import SSEWatch
@@ -142,16 +150,6 @@ class _DecodeLeg:
     sent: bool = False  # a decode worker got it: that worker pulls and releases the blocks
 
 
-class _Failed(Exception):
-    """A worker failed this attempt before any byte reached the client. The message is
-    for the client: it names no worker address (the log has the details)."""
-
-    def __init__(self, reason: str, message: str, status: int = 502) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-
-
 class _Attempt:
     """One try of a request on one worker, until its answer starts reaching the client.
     The pool aborts it when the worker is marked down (its health check failed): the
@@ -172,12 +170,12 @@ class _Attempt:
         self.aborted = reason
         self.task.cancel()
 
-    def failure(self) -> _Failed | None:
+    def failure(self) -> Failed | None:
         """After a cancellation: the failure it stands for if the pool aborted this attempt
         and nobody else cancelled the task, else None (the cancellation goes on)."""
         if self.aborted is None or self.task is None or self.task.uncancel() > 0:
             return None
-        return _Failed("down", "the worker stopped answering")
+        return Failed("down", "the worker stopped answering")
 
 
 class Router:
@@ -415,8 +413,8 @@ class Router:
     async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """What the HTTP server runs: the generate endpoints straight to their handler,
         everything else (lifespan, admin, debug, 404s) through FastAPI. The data path skips
-        FastAPI's and Starlette's middleware stack and router (about a tenth of the
-        router's CPU per request); its errors get the same handlers and answers."""
+        FastAPI's and Starlette's middleware stack and router (5% of the router's CPU
+        per request, by py-spy); its errors get the same handlers and answers."""
         kind = GENERATE_PATHS.get(scope["path"]) if scope["type"] == "http" else None
         if kind is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
@@ -467,40 +465,7 @@ class Router:
 
     async def debug_workers(self, request: Request) -> JSONResponse:
         self._gate().require_admin(request.headers)
-        now = time.monotonic()
-        pool = self._pool()
-        rows = []
-        for s in pool.workers.values():
-            rows.append(
-                {
-                    "id": s.id,
-                    "url": s.url,
-                    "role": s.endpoint.role,
-                    "status": s.status,
-                    "draining": s.endpoint.draining,
-                    "model": s.model,
-                    "models": sorted(s.models),
-                    "compatible": s.compatible,
-                    "mismatch": s.mismatch,
-                    "in_flight": s.in_flight,
-                    "queued_prefill_tokens": s.queued_tokens(now),
-                    "peers_in_flight": s.peer_in_flight,
-                    "peers_queued_prefill_tokens": s.peer_queued,
-                    "prefill_rate_tokens_per_s": round(s.prefill.rate, 1),
-                    "prefill_overhead_s": round(s.prefill.overhead, 4),
-                    "itl_s": s.itl,
-                    "kv_usage": s.kv_usage,
-                    "waiting": s.waiting,
-                    "running": s.running,
-                    "batch_capacity": s.batch_capacity,
-                    "circuit_open": s.breaker.is_open(now),
-                    "kv_events": s.subscriber.endpoint if s.subscriber else None,
-                    "events_seen": s.events_seen,
-                    "indexed_blocks": pool.indexed_blocks(s.id),
-                    "data_parallel_ranks": pool.ranks(s.id),
-                }
-            )
-        return JSONResponse({"workers": rows})
+        return JSONResponse({"workers": worker_rows(self._pool(), time.monotonic())})
 
     async def debug_peers(self, request: Request) -> JSONResponse:
         """The other router replicas: what each was last heard to have on each worker."""
@@ -521,41 +486,7 @@ class Router:
             "chat" if "messages" in obj else "responses" if "input" in obj else "completion"
         )
         routed = await self._parse(request, body, kind, check_model=False)
-        plan = self._plan(routed, dry_run=True)
-        decision = plan.decode
-        prefill = plan.prefill
-        reason = decision.reason
-        if routed.credit_note:
-            reason += f"; {routed.credit_note}"
-        return JSONResponse(
-            {
-                "worker": decision.worker,
-                "reason": reason,
-                "policy": decision.policy,
-                "num_tokens": routed.num_tokens,
-                "num_blocks": len(routed.keys),
-                "cached_tokens": decision.cached_tokens,
-                "predicted_ttft_s": decision.predicted_ttft_s,
-                "data_parallel_rank": routed.ranks.get(decision.worker or ""),
-                "session": routed.session,
-                "candidates": [asdict(c) for c in decision.candidates],
-                # the prefill/decode split: path, why, and the prefill leg's own decision
-                "path": plan.path,
-                "pd_reason": plan.reason,
-                "uncached_tokens": plan.uncached_tokens,
-                "prefill": None
-                if prefill is None
-                else {
-                    "worker": prefill.worker,
-                    "reason": prefill.reason,
-                    "cached_tokens": prefill.cached_tokens,
-                    "predicted_ttft_s": prefill.predicted_ttft_s,
-                    "candidates": [asdict(c) for c in prefill.candidates],
-                },
-                "explanation": plan.explain()
-                + (f" ({routed.credit_note})" if routed.credit_note else ""),
-            }
-        )
+        return JSONResponse(route_answer(routed, self._plan(routed, dry_run=True)))
 
     async def passthrough(self, request: Request) -> Response:
         """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy
@@ -674,7 +605,7 @@ class Router:
                 response = await self._unless_client_leaves(
                     request, self._proxy(routed, arrival, arrival + limit)
                 )
-                handed_over = isinstance(response, _RelayResponse)
+                handed_over = isinstance(response, RelayResponse)
                 return response
         except OpenAIError as exc:
             admitted.error = exc.message
@@ -692,7 +623,7 @@ class Router:
         """Run ``work`` (a request on its way to an answer) but give up when the client
         hangs up, before the worker's headers too: the worker's connection is closed, which
         makes it abort the request and free its blocks."""
-        async with _until_client_leaves(request.receive):
+        async with until_client_leaves(request.receive):
             return await work
         self._metrics().requests.labels("cancelled").inc()
         return Response(status_code=499)  # nobody reads it; logs show why it ended
@@ -976,7 +907,7 @@ class Router:
         tried: set[str] = set()
         failures: list[str] = []
         suspects: list[WorkerState] = []  # failed in a way the request may have caused
-        last: _Failed | None = None
+        last: Failed | None = None
         headers = {"x-kvpool-prefill-worker": leg.prefill.id} if leg is not None else {}
         for attempt_no in range(s.max_attempts):
             if attempt_no:
@@ -1057,7 +988,7 @@ class Router:
                     raise
                 exc = failure
                 span_error = str(failure)
-            except _Failed as failed:
+            except Failed as failed:
                 exc = failed
                 span_error = str(failed)
             except BaseException:
@@ -1069,7 +1000,7 @@ class Router:
                     suspect.breaker.on_failure(time.monotonic())
                 if routed.session:
                     self.sessions.remember(routed.session, state.id)
-                if isinstance(response, _RelayResponse):
+                if isinstance(response, RelayResponse):
                     response.relay.span, span = span, None  # it ends with the stream
                 span_error = None
                 return response
@@ -1121,7 +1052,7 @@ class Router:
         body = _prefill_body(request)
         tried: set[str] = set()
         suspects: list[WorkerState] = []
-        last: _Failed | None = None
+        last: Failed | None = None
         decision: Decision | None = first
         for attempt in range(s.max_attempts):
             if attempt:
@@ -1153,7 +1084,7 @@ class Router:
             try:
                 answer = await self._prefill_leg(state, routed, body, leg_deadline)
                 state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
-            except _Failed as exc:
+            except Failed as exc:
                 pool.withdraw(state.id, speculated)
                 last = exc
                 metrics.prefill_failures.labels(exc.reason).inc()
@@ -1191,7 +1122,7 @@ class Router:
     async def _prefill_leg(
         self, state: WorkerState, routed: Routed, body: bytes, deadline: float
     ) -> dict[str, Any]:
-        """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`_Failed`."""
+        """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`Failed`."""
         if routed.admitted is not None:
             routed.admitted.on_worker()
         with tracing.span("kvpool.router.prefill_leg", {"kvpool.worker": state.id}):
@@ -1203,22 +1134,22 @@ class Router:
                     content = await resp.read()
             except TimeoutError:
                 state.breaker.on_failure(time.monotonic())
-                raise _Failed("timeout", "no answer before the prefill timeout", 504) from None
+                raise Failed("timeout", "no answer before the prefill timeout", 504) from None
             except (aiohttp.ClientError, OSError) as exc:
                 state.breaker.on_failure(time.monotonic())
-                raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
+                raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
             finally:
                 resp.release()  # kept if read to its end, closed if not
         text = content.decode(errors="replace")
         if resp.status != 200:
-            raise _Failed("refused", f"{resp.status} {_error_message(text)[:300]}")
+            raise Failed("refused", f"{resp.status} {error_message(text)[:300]}")
         try:
             answer = json.loads(content)
             params = answer.get("kv_transfer_params")
         except (ValueError, AttributeError):
             answer, params = None, None
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            raise _Failed("no_params", f"the answer has no kv_transfer_params: {text[:200]}")
+            raise Failed("no_params", f"the answer has no kv_transfer_params: {text[:200]}")
         state.breaker.on_success()
         return answer
 
@@ -1253,7 +1184,7 @@ class Router:
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
-        """The worker's response with its headers read, or :class:`_Failed` if this worker
+        """The worker's response with its headers read, or :class:`Failed` if this worker
         cannot answer it (and another may). ``body``: a split's leg, not the client's."""
         assert self.upstream is not None
         pool = self._pool()
@@ -1271,19 +1202,19 @@ class Router:
                 )
         except aiohttp.ConnectionTimeoutError:  # perhaps only busy: the health check decides
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("connect", "connection timed out") from None
+            raise Failed("connect", "connection timed out") from None
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             reason = "ttft_timeout" if routed.stream else "timeout"
-            raise _Failed(reason, "no answer before the time limit", 504) from None
+            raise Failed(reason, "no answer before the time limit", 504) from None
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
             pool.mark_down(state, f"connection failed: {exc.os_error}", dead=True)
-            raise _Failed("connect", "connection refused") from None
+            raise Failed("connect", "connection refused") from None
         except (aiohttp.ClientError, OSError) as exc:
             state.breaker.on_failure(time.monotonic())
             log.info("request %s: %s: %r", routed.request_id, state.id, exc)
-            raise _Failed("connection", f"connection lost ({type(exc).__name__})") from None
+            raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
         if resp.status < 500 and resp.status != 429:
             return resp
         # Retried elsewhere: the worker said nothing the client has seen yet.
@@ -1295,10 +1226,10 @@ class Router:
         finally:
             resp.release()
         if resp.status == 429:
-            raise _Failed("overloaded", f"429 {_error_message(text)}", 429)
+            raise Failed("overloaded", f"429 {error_message(text)}", 429)
         # Not charged to the breaker yet: a request that fails on every worker is more
         # likely bad than every worker broken (see _serve).
-        raise _Failed("5xx", f"{resp.status} {_error_message(text)}")
+        raise Failed("5xx", f"{resp.status} {error_message(text)}")
 
     async def _respond(
         self,
@@ -1314,7 +1245,7 @@ class Router:
         count_usage: bool = True,
     ) -> Response:
         """The client's answer from this worker's response, once it is sure to be one: a
-        stream's first output, or the whole body. :class:`_Failed` before that.
+        stream's first output, or the whole body. :class:`Failed` before that.
         ``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
         pulled, not a cache hit (the prefill leg's usage was counted instead)."""
         headers = {
@@ -1326,15 +1257,24 @@ class Router:
         if routed.admitted is not None:
             headers.update(routed.admitted.headers)  # x-ratelimit-*
         if routed.stream and resp.status == 200:
-            relay = _Relay(self, state, ticket, routed, resp, arrival, SSEWatch(routed.strip_usage))
-            relay.count_usage = count_usage
+            relay = Relay(
+                state,
+                ticket,
+                routed.request_id,
+                resp,
+                arrival,
+                SSEWatch(routed.strip_usage),
+                self._metrics(),
+                self.settings.stream_idle_timeout_s,
+                on_close=lambda relay: self._relay_closed(relay, routed, count_usage),
+            )
             try:
                 await relay.first_output(deadline)
             except BaseException:
                 resp.close()  # the worker sees it and aborts the request
                 raise
             attempt.committed = True
-            return _RelayResponse(relay, headers)
+            return RelayResponse(relay, headers)
         metrics = self._metrics()
         try:
             async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
@@ -1342,12 +1282,12 @@ class Router:
         except TimeoutError:
             resp.close()
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("timeout", "no answer before the request timeout", 504) from None
+            raise Failed("timeout", "no answer before the request timeout", 504) from None
         except (aiohttp.ClientError, OSError) as exc:
             # Nothing has reached the client yet: another worker may answer it.
             resp.close()
             state.breaker.on_failure(time.monotonic())
-            raise _Failed("connection", f"failed while answering ({type(exc).__name__})") from None
+            raise Failed("connection", f"failed while answering ({type(exc).__name__})") from None
         except BaseException:  # cancelled: the worker's connection is closed, so it aborts
             resp.close()
             raise
@@ -1379,6 +1319,20 @@ class Router:
             if count_usage and usage:
                 self._observe_usage(usage)
         return Response(content, status_code=resp.status, headers=headers)
+
+    def _relay_closed(self, relay: Relay, routed: Routed, count_usage: bool) -> None:
+        """A relayed stream ended: settle its admission, count its usage, and remember where
+        its stored response is."""
+        admitted = routed.admitted
+        if admitted is not None:
+            admitted.usage = relay.events.usage
+            if relay.outcome != "success":
+                admitted.error = relay.outcome
+            self._gate().finish(admitted)
+        if count_usage and relay.events.usage is not None:
+            self._observe_usage(relay.events.usage)
+        if relay.events.response_id is not None:
+            self.responses.remember(relay.events.response_id, relay.state.id)
 
     def _observe_usage(self, usage: dict[str, Any]) -> None:
         """Counts an answer's prompt tokens and the cached ones (chat and completions
@@ -1417,154 +1371,6 @@ def _answer_of(content: bytes) -> dict[str, Any]:
     return answer if isinstance(answer, dict) else {}
 
 
-@dataclass
-class _Relay:
-    """The worker's SSE stream passed on event by event, with the router's TTFT and
-    inter-token latencies taken from it. :meth:`first_output` reads it up to its first
-    output (a failure before that is the caller's to retry); after that, a failure or
-    a silence past the idle timeout ends it with an error event. :meth:`close` releases
-    the worker and the router's slot exactly once, however the stream ends."""
-
-    router: Router
-    state: WorkerState
-    ticket: Ticket
-    routed: Routed
-    resp: aiohttp.ClientResponse
-    arrival: float
-    events: SSEWatch
-    count_usage: bool = True
-    outcome: str = "cancelled"
-    closed: bool = False
-    span: Any = None  # the attempt's trace span, ended with the stream
-    head: bytes = b""
-    last_token: float | None = None
-    _chunks: Any = None
-
-    async def first_output(self, deadline: float) -> None:
-        """Read up to the first event with output (kept in :attr:`head` for the client);
-        :class:`_Failed` if the stream fails, ends or errors before it, or it does not come
-        before ``deadline``."""
-        state, events = self.state, self.events
-        self._chunks = self.resp.content.iter_any()
-        head: list[bytes] = []
-        try:
-            while not events.started:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    chunk = await anext(self._chunks)
-                out, _ = events.feed(chunk)
-                head.append(out)
-                if events.error or events.done:
-                    break
-        except StopAsyncIteration:
-            pass
-        except TimeoutError:
-            state.breaker.on_failure(time.monotonic())
-            raise _Failed("ttft_timeout", "no first token before the time limit", 504) from None
-        except (aiohttp.ClientError, OSError) as exc:  # charged once another worker answers
-            raise _Failed(
-                "no_token", f"stream lost before its first token ({type(exc).__name__})"
-            ) from None
-        self.head = b"".join(head)
-        if not events.started:
-            if events.client_error:  # the worker refused the request: its answer, as sent
-                return
-            what = "an error" if events.error else "no output"
-            raise _Failed("no_token", f"the stream ended with {what} before its first token")
-        now = time.monotonic()
-        self.router._metrics().ttft.observe(now - self.arrival)
-        state.first_token(self.ticket, now)
-        self.last_token = now
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.outcome == "success":
-            self.resp.release()  # read to its end: the connection is kept
-        else:  # closed mid-answer: the worker sees it and aborts the request
-            self.resp.close()
-        self.state.end(self.ticket)
-        tracing.end_span(self.span, None if self.outcome == "success" else self.outcome)
-        admitted = self.routed.admitted
-        if admitted is not None:
-            admitted.usage = self.events.usage
-            if self.outcome != "success":
-                admitted.error = self.outcome
-            self.router._gate().finish(admitted)
-        metrics = self.router._metrics()
-        metrics.requests.labels(self.outcome).inc()
-        if self.outcome == "success":
-            metrics.e2e.observe(time.monotonic() - self.arrival)
-        if self.count_usage and self.events.usage is not None:
-            self.router._observe_usage(self.events.usage)
-        if self.events.response_id is not None:
-            self.router.responses.remember(self.events.response_id, self.state.id)
-
-    async def stream(self) -> AsyncIterator[bytes]:
-        router, state, events = self.router, self.state, self.events
-        metrics = router._metrics()
-        idle = router.settings.stream_idle_timeout_s
-        try:
-            if self.head:
-                yield self.head
-            while not events.done:
-                try:
-                    async with asyncio.timeout(idle):
-                        chunk = await anext(self._chunks)
-                except StopAsyncIteration:
-                    break
-                out, outputs = events.feed(chunk)
-                if outputs:
-                    now = time.monotonic()
-                    if self.last_token is not None:
-                        gap = now - self.last_token
-                        metrics.itl.observe(gap)
-                        state.observe_itl(gap / outputs)
-                    self.last_token = now
-                if out:
-                    yield out
-            if not events.done:  # the worker closed the stream without its end
-                self.outcome = "stream_error"
-                state.breaker.on_failure(time.monotonic())
-                yield _sse_error("the worker ended the stream early", "worker_failed")
-            elif events.client_error:
-                self.outcome = "client_error"
-            else:
-                self.outcome = "stream_error" if events.error else "success"
-                state.breaker.on_success()
-        except TimeoutError:
-            self.outcome = "timeout"
-            yield _sse_error(
-                f"the worker sent nothing for {idle:g} s (the idle timeout)", "timeout"
-            )
-        except (aiohttp.ClientError, OSError) as exc:
-            self.outcome = "stream_error"
-            state.breaker.on_failure(time.monotonic())
-            log.warning(
-                "request %s: worker %s failed mid-stream: %s", self.routed.request_id, state.id, exc
-            )
-            yield _sse_error(f"the worker failed mid-stream: {type(exc).__name__}", "worker_failed")
-        finally:
-            await self.close()
-
-
-class _RelayResponse(StreamingResponse):
-    """Starlette's streaming response watches for the client leaving with an anyio task
-    group, two tasks a request; this one relays in the request's own task, with one
-    watcher that cancels it when the client hangs up."""
-
-    def __init__(self, relay: _Relay, headers: dict[str, str]) -> None:
-        super().__init__(relay.stream(), headers=headers, media_type="text/event-stream")
-        self.relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            async with _until_client_leaves(receive):
-                await self.stream_response(send)
-        finally:
-            await self.relay.close()
-
-
 async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
     """Run a discovery until cancelled; a failure (logged as ``failed``) leaves what it
     found so far in place."""
@@ -1574,36 +1380,6 @@ async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
         raise
     except Exception:
         log.exception(failed)
-
-
-@asynccontextmanager
-async def _until_client_leaves(receive: Any) -> AsyncIterator[None]:
-    """Cancel the body of the ``async with`` when the client disconnects (its request body
-    has been read: nothing else comes), and carry on after it; a cancellation from
-    elsewhere passes through. Cheaper than a task for the work and one for the watch."""
-    this = asyncio.current_task()
-    assert this is not None
-    left = False
-
-    async def watch() -> None:
-        nonlocal left
-        try:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # cannot tell whether the client is there: carry on
-            return
-        left = True
-        this.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not left:
-            raise
-        this.uncancel()
-    finally:
-        watcher.cancel()
 
 
 def _prefill_body(request: dict[str, Any]) -> bytes:
@@ -1629,17 +1405,6 @@ def _draining() -> OpenAIError:
     return OpenAIError(
         503, "the router is shutting down", type="service_unavailable", code="draining"
     )
-
-
-def _sse_error(message: str, code: str) -> bytes:
-    err = OpenAIError(502, message, type="server_error", code=code)
-    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-def _error_message(text: str) -> str:
-    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, RecursionError):
-        return str(json.loads(text)["error"]["message"])[:300]
-    return text[:300]
 
 
 # -- running it ----------------------------------------------------------------------------

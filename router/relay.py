@@ -1,0 +1,232 @@
+"""What goes back to the client: a worker's answer relayed, and the errors a worker's
+failure turns into.
+
+:class:`Relay` passes a worker's SSE stream on event by event, taking the router's TTFT and
+inter-token latencies from it; :class:`RelayResponse` sends it from the request's own task,
+cancelled when the client hangs up (:func:`until_client_leaves`). A failure before the
+first output is a :class:`Failed` (the router tries another worker); after it, the stream
+ends with an error event (:func:`sse_error`) and ``[DONE]``. The relay knows the worker's
+load entry, the metrics and its timeouts; what the router must do when it ends (admission,
+usage, stored responses) is its ``on_close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from fastapi.responses import StreamingResponse
+
+from kvpool import tracing
+from kvpool.openai_api import OpenAIError
+
+from .metrics import RouterMetrics
+from .pool import Ticket, WorkerState
+from .sse import SSEWatch
+
+__all__ = [
+    "Failed",
+    "Relay",
+    "RelayResponse",
+    "error_message",
+    "sse_error",
+    "until_client_leaves",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Failed(Exception):
+    """A worker failed this attempt before any byte reached the client. The message is
+    for the client: it names no worker address (the log has the details)."""
+
+    def __init__(self, reason: str, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class Relay:
+    """The worker's SSE stream passed on event by event, with the router's TTFT and
+    inter-token latencies taken from it. :meth:`first_output` reads it up to its first
+    output (a failure before that is the caller's to retry); after that, a failure or
+    a silence past the idle timeout ends it with an error event. :meth:`close` releases
+    the worker and the router's slot exactly once, however the stream ends."""
+
+    state: WorkerState
+    ticket: Ticket
+    request_id: str
+    resp: aiohttp.ClientResponse
+    arrival: float
+    events: SSEWatch
+    metrics: RouterMetrics
+    idle_timeout_s: float
+    #: the router's own bookkeeping once the stream has ended (its admission, its usage)
+    on_close: Callable[[Relay], None]
+    outcome: str = "cancelled"
+    closed: bool = False
+    span: Any = None  # the attempt's trace span, ended with the stream
+    head: bytes = b""
+    last_token: float | None = None
+    _chunks: Any = None
+
+    async def first_output(self, deadline: float) -> None:
+        """Read up to the first event with output (kept in :attr:`head` for the client);
+        :class:`Failed` if the stream fails, ends or errors before it, or it does not come
+        before ``deadline``."""
+        state, events = self.state, self.events
+        self._chunks = self.resp.content.iter_any()
+        head: list[bytes] = []
+        try:
+            while not events.started:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    chunk = await anext(self._chunks)
+                out, _ = events.feed(chunk)
+                head.append(out)
+                if events.error or events.done:
+                    break
+        except StopAsyncIteration:
+            pass
+        except TimeoutError:
+            state.breaker.on_failure(time.monotonic())
+            raise Failed("ttft_timeout", "no first token before the time limit", 504) from None
+        except (aiohttp.ClientError, OSError) as exc:  # charged once another worker answers
+            raise Failed(
+                "no_token", f"stream lost before its first token ({type(exc).__name__})"
+            ) from None
+        self.head = b"".join(head)
+        if not events.started:
+            if events.client_error:  # the worker refused the request: its answer, as sent
+                return
+            what = "an error" if events.error else "no output"
+            raise Failed("no_token", f"the stream ended with {what} before its first token")
+        now = time.monotonic()
+        self.metrics.ttft.observe(now - self.arrival)
+        state.first_token(self.ticket, now)
+        self.last_token = now
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.outcome == "success":
+            self.resp.release()  # read to its end: the connection is kept
+        else:  # closed mid-answer: the worker sees it and aborts the request
+            self.resp.close()
+        self.state.end(self.ticket)
+        tracing.end_span(self.span, None if self.outcome == "success" else self.outcome)
+        self.metrics.requests.labels(self.outcome).inc()
+        if self.outcome == "success":
+            self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.on_close(self)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        state, events, metrics = self.state, self.events, self.metrics
+        idle = self.idle_timeout_s
+        try:
+            if self.head:
+                yield self.head
+            while not events.done:
+                try:
+                    async with asyncio.timeout(idle):
+                        chunk = await anext(self._chunks)
+                except StopAsyncIteration:
+                    break
+                out, outputs = events.feed(chunk)
+                if outputs:
+                    now = time.monotonic()
+                    if self.last_token is not None:
+                        gap = now - self.last_token
+                        metrics.itl.observe(gap)
+                        state.observe_itl(gap / outputs)
+                    self.last_token = now
+                if out:
+                    yield out
+            if not events.done:  # the worker closed the stream without its end
+                self.outcome = "stream_error"
+                state.breaker.on_failure(time.monotonic())
+                yield sse_error("the worker ended the stream early", "worker_failed")
+            elif events.client_error:
+                self.outcome = "client_error"
+            else:
+                self.outcome = "stream_error" if events.error else "success"
+                state.breaker.on_success()
+        except TimeoutError:
+            self.outcome = "timeout"
+            yield sse_error(f"the worker sent nothing for {idle:g} s (the idle timeout)", "timeout")
+        except (aiohttp.ClientError, OSError) as exc:
+            self.outcome = "stream_error"
+            state.breaker.on_failure(time.monotonic())
+            log.warning(
+                "request %s: worker %s failed mid-stream: %s", self.request_id, state.id, exc
+            )
+            yield sse_error(f"the worker failed mid-stream: {type(exc).__name__}", "worker_failed")
+        finally:
+            await self.close()
+
+
+class RelayResponse(StreamingResponse):
+    """Starlette's streaming response watches for the client leaving with an anyio task
+    group, two tasks a request; this one relays in the request's own task, with one
+    watcher that cancels it when the client hangs up."""
+
+    def __init__(self, relay: Relay, headers: dict[str, str]) -> None:
+        super().__init__(relay.stream(), headers=headers, media_type="text/event-stream")
+        self.relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with until_client_leaves(receive):
+                await self.stream_response(send)
+        finally:
+            await self.relay.close()
+
+
+@asynccontextmanager
+async def until_client_leaves(receive: Any) -> AsyncIterator[None]:
+    """Cancel the body of the ``async with`` when the client disconnects (its request body
+    has been read: nothing else comes), and carry on after it; a cancellation from
+    elsewhere passes through. Cheaper than a task for the work and one for the watch."""
+    this = asyncio.current_task()
+    assert this is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # cannot tell whether the client is there: carry on
+            return
+        left = True
+        this.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        this.uncancel()
+    finally:
+        watcher.cancel()
+
+
+def sse_error(message: str, code: str) -> bytes:
+    err = OpenAIError(502, message, type="server_error", code=code)
+    return b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def error_message(text: str) -> str:
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, RecursionError):
+        return str(json.loads(text)["error"]["message"])[:300]
+    return text[:300]
