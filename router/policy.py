@@ -146,13 +146,18 @@ class RouteRequest:
     model: str | None = None
     roles: tuple[Role, ...] = ("both", "decode")
     affinity: str | None = None  # the worker this request's session was last sent to
+    # The last token is always computed, so a fully cached prompt still prefills one.
+    _most_cached: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._most_cached = max(self.num_tokens - 1, 0)
 
     def cached_tokens(self, worker: WorkerView) -> int:
+        # asked of every worker by several scorers in each decision: kept lean
         if not worker.compatible:
             return 0
-        # The last token is always computed, so a fully cached prompt still prefills one.
         hit = self.matched_blocks.get(worker.id, 0) * self.block_size
-        return min(hit, max(self.num_tokens - 1, 0))
+        return hit if hit < self._most_cached else self._most_cached
 
 
 @dataclass(slots=True)

@@ -155,10 +155,13 @@ class WorkerState:
         return self.status == "up" and not self.endpoint.draining
 
     def queued_tokens(self, now: float) -> int:
-        stale = [k for k, t in self.queued.items() if t.expires_at <= now]
+        queued = self.queued
+        if not queued:  # most workers, most of the time: every decision asks each of them
+            return 0
+        stale = [k for k, t in queued.items() if t.expires_at <= now]
         for k in stale:
-            del self.queued[k]
-        return sum(t.tokens for t in self.queued.values())
+            del queued[k]
+        return sum(t.tokens for t in queued.values())
 
     def view(self, now: float, max_load_age: float = 3.0) -> WorkerView:
         # Load the scrape has not confirmed lately is not known: neither a reason to avoid
