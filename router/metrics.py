@@ -96,6 +96,9 @@ class Rows(msgspec.Struct):
     queued: dict[str, int] = {}
     decisions: dict[str, dict[str, int]] = {}
     queue: dict[str, int] = {}
+    #: the worker's event-stream counters as this process saw them, by family: the pod
+    #: reports the highest (every process subscribes; a restarted one counts from 0)
+    events: dict[str, dict[str, int]] = {}
 
 
 class Siblings:
@@ -112,6 +115,18 @@ class Siblings:
         with open(tmp, "wb") as f:
             f.write(msgspec.msgpack.encode(rows))
         os.replace(tmp, self.path)  # a reader sees the old rows or the new, never half
+
+    @staticmethod
+    def retire(path: str) -> None:
+        """A dead process's rows (the supervisor's call): its decisions stay counted (the
+        pod's totals never go back), its load and queue go."""
+        with contextlib.suppress(OSError, msgspec.DecodeError):
+            with open(path, "rb") as f:
+                rows = msgspec.msgpack.decode(f.read(), type=Rows)
+            dead = Rows(decisions=rows.decisions, events=rows.events)
+            with open(path + ".tmp", "wb") as f:
+                f.write(msgspec.msgpack.encode(dead))
+            os.replace(path + ".tmp", path)
 
     def others(self) -> list[Rows]:
         found = []
@@ -130,12 +145,24 @@ SHARE_S = 1.0
 
 def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
     now = time.monotonic()
+    events: dict[str, dict[str, int]] = {f: {} for f in EVENT_FAMILIES}
+    for s in workers:
+        stats = s.subscriber.stats if s.subscriber is not None else None
+        events["events"][s.id] = s.events_seen
+        events["gaps"][s.id] = stats.gaps if stats else 0
+        events["resyncs"][s.id] = stats.resyncs if stats else 0
+        events["mismatches"][s.id] = s.mismatches
     return Rows(
         in_flight={s.id: s.in_flight for s in workers},
         queued={s.id: s.queued_tokens(now) for s in workers},
         decisions={s.id: dict(s.decisions) for s in workers},
         queue=dict(depth),
+        events=events,
     )
+
+
+#: the per-worker counters every process keeps of the same event stream
+EVENT_FAMILIES = ("events", "gaps", "resyncs", "mismatches")
 
 
 def _added(rows: Rows, others: list[Rows]) -> Rows:
@@ -151,6 +178,10 @@ def _added(rows: Rows, others: list[Rows]) -> Rows:
             row = rows.decisions.setdefault(worker, {})
             for reason, count in counts.items():
                 row[reason] = row.get(reason, 0) + count
+        for family, counts in other.events.items():
+            mine = rows.events.setdefault(family, {})
+            for worker, count in counts.items():
+                mine[worker] = max(mine.get(worker, 0), count)
     return rows
 
 
@@ -235,11 +266,8 @@ class _PoolCollector(Collector):
             families["queued"].add_metric(w, rows.queued.get(s.id, 0))
             families["blocks"].add_metric(w, self.indexed_blocks(s.id))
             families["rate"].add_metric(w, s.prefill.rate)
-            families["events"].add_metric(w, s.events_seen)
-            stats = s.subscriber.stats if s.subscriber is not None else None
-            families["gaps"].add_metric(w, stats.gaps if stats else 0)
-            families["resyncs"].add_metric(w, stats.resyncs if stats else 0)
-            families["mismatches"].add_metric(w, s.mismatches)
+            for family in EVENT_FAMILIES:
+                families[family].add_metric(w, rows.events[family].get(s.id, 0))
             for reason, count in rows.decisions.get(s.id, {}).items():
                 families["decisions"].add_metric([s.id, reason], count)
         yield from families.values()

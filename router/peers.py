@@ -161,6 +161,10 @@ class PeerLink:
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
+        self._dirty, self._chains = {}, []
+        # Nothing of this replica's is in flight any more: its peers need not wait for
+        # its rows to expire.
+        self._send(Load(self.name, {}, full=True))
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -29,10 +29,14 @@ mode keeps each process's counters and histograms there, and ``/metrics``, which
 process answers, adds them up. Each process also writes its own gauges and decision
 counts there every second (:class:`.metrics.Siblings`).
 
-**The supervisor** is this process, and it serves no request. It forwards
-SIGTERM/SIGINT: the first drains, a second stops at once. It restarts a process that
-dies once it has started. One that dies before it has (a model it cannot load, say)
-stops them all, with its exit code.
+**The supervisor** is this process, and it serves no request.
+* It forwards SIGTERM/SIGINT: the first drains, a second stops at once. It closes its copy
+  of the listening socket at the first, so that nothing queues where nobody will accept.
+* It restarts a process that dies, with a growing backoff while the new one keeps dying
+  before it has started. One that dies before any process of its slot has started (a
+  model it cannot load, say) stops them all, with its exit code.
+* It blocks signals while it starts a process, so that none falls between the fork and
+  its list of processes. A process whose supervisor is gone drains and exits.
 
 Why processes and not threads: Python runs one thread at a time, and the router's work
 per request is Python. Why not one process owning the routing state, with others asking
@@ -48,11 +52,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +72,10 @@ log = logging.getLogger(__name__)
 
 #: where prometheus_client keeps the processes' counters, under the runtime directory
 PROMETHEUS_DIR = "prometheus"
+#: a process that dies again before it has started waits this long, doubled each time,
+#: before it is started again (a crash loop costs little)
+RESTART_BACKOFF_S = 0.5
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,9 @@ class ProcessSlot:
             ipc = [f"ipc://{self.runtime_dir}/peer-{j}" for j in range(self.count)]
             return ipc[self.index], [ipc[j] for j in others]
         host, port = _split(bind)
-        local = [f"tcp://127.0.0.1:{port + j}" for j in others]
+        wildcard = host in ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://::")
+        near = "tcp://127.0.0.1" if wildcard else host
+        local = [f"{near}:{port + j}" for j in others]
         remote = [e for peer in peers for e in expand_peer(peer, self.count)]
         return f"{host}:{port + self.index}", local + remote
 
@@ -137,6 +149,9 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
 
 def _run(settings: RouterSettings, slot: ProcessSlot, log_level: str, sock: socket.socket) -> None:
     """One router process (the target of each spawned child)."""
+    # The supervisor blocks these while it starts a process, and a child inherits its mask:
+    # one sent meanwhile is taken now (and ends it: nothing is served yet).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which passes it on once
     from kvpool.cli import configure_logging
 
@@ -145,6 +160,14 @@ def _run(settings: RouterSettings, slot: ProcessSlot, log_level: str, sock: sock
     configure_logging(log_level == "debug")
 
     server = uvicorn_server(Router(settings, slot=slot), log_level=log_level)
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # the supervisor killed: drain and go, not serve on alone
+
+        def orphaned() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=orphaned, name="kvpool-router-parent", daemon=True).start()
     server.run(sockets=[sock])
 
 
@@ -152,38 +175,54 @@ def supervise(settings: RouterSettings, log_level: str = "info") -> int:
     """Run ``settings.processes`` router processes until SIGTERM/SIGINT; returns the
     exit code."""
     n = settings.processes
+    sock = listening_socket(settings.host, settings.port)  # a bad port fails here, once
+    settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     runtime = tempfile.mkdtemp(prefix="kvpool-router-")
     prom = Path(runtime, PROMETHEUS_DIR)
     prom.mkdir()
     # Before any child imports prometheus_client: its values then live in files here.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(prom)
-    sock = listening_socket(settings.host, settings.port)  # a bad port fails here, once
-    settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     ctx = multiprocessing.get_context("spawn")
     children: list[Any] = [None] * n
+    ever_started = [False] * n  # a process in this slot has served: a later one may fail
+    restarts = [0] * n  # quick deaths in a row, for the backoff
+    not_before = [0.0] * n
     stopping = 0
     code = 0
+    signals = (signal.SIGTERM, signal.SIGINT)
 
     def start(i: int) -> None:
-        child = ctx.Process(
-            target=_run,
-            args=(settings, ProcessSlot(i, n, runtime), log_level, sock),
-            name=f"kvpool-router-{i}",
-            daemon=False,
-        )
-        child.start()
-        children[i] = child
+        # No signal between the fork and ``children[i]``: one then would miss this child.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            if stopping:
+                return
+            child = ctx.Process(
+                target=_run,
+                args=(settings, ProcessSlot(i, n, runtime), log_level, sock),
+                name=f"kvpool-router-{i}",
+                daemon=False,
+            )
+            child.start()
+            children[i] = child
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
     def on_signal(sig: int, frame: Any) -> None:
         nonlocal stopping
         stopping += 1
+        if stopping == 1:
+            # No process is started again from now on: new connections are refused at
+            # once, rather than queued where nobody will take them (the processes close
+            # their own copies of the socket as they drain).
+            sock.close()
         log.info("signal %s: passing it to %d router processes", sig, n)
         for child in children:
             if child is not None and child.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, sig)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         signal.signal(sig, on_signal)
     log.info("%d router processes on %s:%d", n, settings.host, settings.port)
     try:
@@ -193,21 +232,36 @@ def supervise(settings: RouterSettings, log_level: str = "info") -> int:
             alive = [c for c in children if c is not None and c.is_alive()]
             if stopping and not alive:
                 break
+            now = time.monotonic()
             for i, child in enumerate(children):
-                if child is None or child.is_alive() or stopping:
+                if stopping or (child is not None and child.is_alive()):
                     continue
-                child.join()
-                _forget(prom, runtime, child.pid)
-                slot = ProcessSlot(i, n, runtime)
-                if not slot.has_started():
-                    code = child.exitcode or 1
-                    log.error("router process %d failed to start (exit %s)", i, child.exitcode)
-                    on_signal(signal.SIGTERM, None)
-                    on_signal(signal.SIGTERM, None)  # at once: nothing is being served yet
-                    break
-                log.error("router process %d exited (%s): starting it again", i, child.exitcode)
-                slot._started_file().unlink()
-                start(i)
+                if child is not None:  # it died: what it did is kept, its load goes
+                    child.join()
+                    _forget(prom, runtime, child.pid)
+                    slot = ProcessSlot(i, n, runtime)
+                    if not slot.has_started() and not ever_started[i]:
+                        code = child.exitcode if child.exitcode and child.exitcode > 0 else 1
+                        log.error("router process %d failed to start (exit %s)", i, child.exitcode)
+                        on_signal(signal.SIGTERM, None)
+                        on_signal(signal.SIGTERM, None)  # at once: nothing is served yet
+                        break
+                    quick = not slot.has_started()
+                    ever_started[i] = True
+                    with contextlib.suppress(FileNotFoundError):
+                        slot._started_file().unlink()
+                    restarts[i] = restarts[i] + 1 if quick else 0
+                    delay = min(RESTART_BACKOFF_S * 2 ** restarts[i], MAX_RESTART_BACKOFF_S)
+                    not_before[i] = now + (delay if quick else 0.0)
+                    children[i] = None
+                    log.error(
+                        "router process %d exited (%s): starting it again%s",
+                        i,
+                        child.exitcode,
+                        f" in {delay:g} s" if quick else "",
+                    )
+                if now >= not_before[i]:
+                    start(i)
             time.sleep(0.2)
     finally:
         for child in children:
@@ -221,11 +275,13 @@ def supervise(settings: RouterSettings, log_level: str = "info") -> int:
 
 
 def _forget(prom: Path, runtime: str, pid: int | None) -> None:
-    """A dead process's gauges go (its counters stay: what it counted happened)."""
+    """A dead process: its load goes, what it counted stays (a counter that went back
+    would read as a reset)."""
     if pid is None:
         return
     from prometheus_client import multiprocess
 
+    from .metrics import Siblings
+
     multiprocess.mark_process_dead(pid, str(prom))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(runtime, f"rows-{pid}.msgpack"))
+    Siblings.retire(os.path.join(runtime, f"rows-{pid}.msgpack"))

@@ -1422,6 +1422,9 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.router.draining:
             log.info("signal %s: draining %d requests", sig, self.router.active)
+        elif not self.force_exit:  # a second signal, SIGTERM too (uvicorn: SIGINT only)
+            log.info("signal %s: stopping at once", sig)
+            self.force_exit = True
         self.router.draining = True
         super().handle_exit(sig, frame)
 

@@ -67,9 +67,18 @@ def test_two_processes_serve_one_port_and_metrics_add_up_whichever_answers(
         return True
 
     router.wait_for(every_page_counts_all, timeout=10)
-    # Each process hears the other's load (the peer link over ipc://).
-    peers = httpx.get(router.url + "/debug/peers").json()
-    assert peers["peers"] and peers["peers"][0].startswith("ipc://")
+
+    def each_hears_the_other() -> bool:  # the peer link over ipc://: rows of both workers
+        for _ in range(10):
+            peers = httpx.get(router.url + "/debug/peers").json()
+            heard = list(peers["heard"].values())
+            if not (
+                peers["peers"][0].startswith("ipc://") and heard and set(heard[0]) == {"a", "b"}
+            ):
+                return False
+        return True
+
+    router.wait_for(each_hears_the_other, timeout=10)
 
 
 def test_error_before_the_first_byte_is_retried_unseen_in_every_process(
@@ -144,6 +153,49 @@ def test_sigterm_drains_the_streams_in_flight_then_every_process_exits(
     assert router.proc.wait(timeout=15) == 0
 
 
+def test_a_second_sigterm_stops_at_once(
+    llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
+) -> None:
+    fake, router, url = one_fake("hang", processes=2, drain_timeout_s=30)
+    assert isinstance(router, RouterProcesses)
+    with httpx.stream("POST", url, json=body(llama_dir, stream=True), timeout=10) as resp:
+        lines = resp.iter_lines()  # kept: a dropped iterator closes the stream
+        assert next(lines).startswith("data:")
+        router.terminate()
+        time.sleep(0.5)
+        assert router.proc.poll() is None  # draining the hung stream
+        t0 = time.monotonic()
+        router.terminate()
+        router.proc.wait(timeout=10)
+    assert time.monotonic() - t0 < 8  # not the 30 s drain
+    fake.gate.set()
+
+
+def test_sigterm_while_the_processes_start_stops_them_all(llama_dir: Path) -> None:
+    """A pod deleted while it comes up: no process is left serving, none is started."""
+    import sys
+
+    from kvpool.stack import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+    argv += ["router", "serve", "--model", str(llama_dir), "--port", str(port)]
+    argv += ["--worker", "http://127.0.0.1:9", "--processes", "2"]
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    seen: set[int] = set()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        seen.update(_children(proc.pid))
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    time.sleep(0.5)
+    left = [p for p in seen if Path(f"/proc/{p}").exists() and _is_router(p)]
+    assert left == []
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
@@ -154,8 +206,12 @@ def test_a_router_process_that_dies_is_started_again(
 ) -> None:
     _, router, url = one_fake("ok", processes=2)
     assert isinstance(router, RouterProcesses)
+    for _ in range(10):
+        assert httpx.post(url, json=body(llama_dir)).status_code == 200
     routers = [p for p in _children(router.proc.pid) if _is_router(p)]
     assert len(routers) == 2
+    router.wait_for(lambda: len(router.health_by_process(tries=50)) == 2)
+    time.sleep(1.5)  # each process has written its rows at least once since
     os.kill(routers[0], signal.SIGKILL)
 
     router.wait_for(
@@ -169,14 +225,23 @@ def test_a_router_process_that_dies_is_started_again(
     for _ in range(10):
         assert httpx.post(url, json=body(llama_dir)).status_code == 200
     assert router.proc.poll() is None
+    # What the dead process counted stays counted: the pod's totals never go back.
+    router.wait_for(
+        lambda: all(
+            _total(page, "kvpool_router_routing_decisions_total") == 20 for page in _scrapes(router)
+        ),
+        timeout=10,
+    )
 
 
 def _is_router(pid: int) -> bool:
-    """A router process, not multiprocessing's resource tracker."""
+    """A live router process: not multiprocessing's resource tracker, nor a zombie (an
+    exited process not yet reaped has no command line)."""
     try:
-        return "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_text()
     except FileNotFoundError:
         return False
+    return bool(cmdline) and "resource_tracker" not in cmdline
 
 
 def test_a_process_that_cannot_start_stops_the_router_with_an_error(
@@ -267,3 +332,17 @@ async def test_discovered_router_pods_are_peers_of_every_process_but_this_pod(
     task.cancel()
     assert asked == [("pools", "kvpool.io/component=router", 7100)]
     assert link.peers == ["tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101", "tcp://127.0.0.1:7100"]
+
+
+def test_router_processes_leave_when_their_supervisor_is_killed(
+    llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
+) -> None:
+    """No process serves on alone (its port, its share of the load) once the supervisor
+    is gone: SIGKILLed, say, when it is not the container's first process."""
+    _, router, _ = one_fake("ok", processes=2)
+    assert isinstance(router, RouterProcesses)
+    routers = [p for p in _children(router.proc.pid) if _is_router(p)]
+    assert len(routers) == 2
+    router.proc.kill()
+    router.proc.wait()
+    router.wait_for(lambda: not any(_is_router(p) for p in routers), timeout=15)
