@@ -13,7 +13,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -136,17 +137,29 @@ def test_bad_input_and_unknown_paths_get_openai_errors(
     assert fake.completions == 0
 
 
-def test_sigterm_drains_the_streams_in_flight_then_every_process_exits(
-    llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
-) -> None:
-    fake, router, url = one_fake("hang", processes=2, drain_timeout_s=10)
+@contextmanager
+def _draining_a_stream(
+    llama_dir: Path,
+    one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]],
+    drain_timeout_s: float,
+) -> Iterator[tuple[FakeWorker, RouterProcesses, Iterator[str]]]:
+    """A router of two processes sent SIGTERM while a stream hangs on its worker: it drains
+    (the stream's lines still to come are yielded)."""
+    fake, router, url = one_fake("hang", processes=2, drain_timeout_s=drain_timeout_s)
     assert isinstance(router, RouterProcesses)
-    with httpx.stream("POST", url, json=body(llama_dir, stream=True), timeout=5) as resp:
-        lines = resp.iter_lines()
+    with httpx.stream("POST", url, json=body(llama_dir, stream=True), timeout=10) as resp:
+        lines = resp.iter_lines()  # kept: a dropped iterator closes the stream
         assert next(lines).startswith("data:")
         router.terminate()
         time.sleep(0.5)
         assert router.proc.poll() is None  # still draining the stream
+        yield fake, router, lines
+
+
+def test_sigterm_drains_the_streams_in_flight_then_every_process_exits(
+    llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
+) -> None:
+    with _draining_a_stream(llama_dir, one_fake, drain_timeout_s=10) as (fake, router, lines):
         fake.gate.set()
         rest = sse_data(lines)
     assert rest[-1] == "[DONE]" and not any('"error"' in e for e in rest)
@@ -156,14 +169,7 @@ def test_sigterm_drains_the_streams_in_flight_then_every_process_exits(
 def test_a_second_sigterm_stops_at_once(
     llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
 ) -> None:
-    fake, router, url = one_fake("hang", processes=2, drain_timeout_s=30)
-    assert isinstance(router, RouterProcesses)
-    with httpx.stream("POST", url, json=body(llama_dir, stream=True), timeout=10) as resp:
-        lines = resp.iter_lines()  # kept: a dropped iterator closes the stream
-        assert next(lines).startswith("data:")
-        router.terminate()
-        time.sleep(0.5)
-        assert router.proc.poll() is None  # draining the hung stream
+    with _draining_a_stream(llama_dir, one_fake, drain_timeout_s=30) as (fake, router, _):
         t0 = time.monotonic()
         router.terminate()
         router.proc.wait(timeout=10)
