@@ -111,10 +111,13 @@ class Siblings:
         self.path = os.path.join(directory, f"rows-{os.getpid()}.msgpack")
 
     def write(self, rows: Rows) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
+        self._write(self.path, rows)
+
+    @staticmethod
+    def _write(path: str, rows: Rows) -> None:
+        with open(path + ".tmp", "wb") as f:
             f.write(msgspec.msgpack.encode(rows))
-        os.replace(tmp, self.path)  # a reader sees the old rows or the new, never half
+        os.replace(path + ".tmp", path)  # a reader sees the old rows or the new, never half
 
     @staticmethod
     def retire(path: str) -> None:
@@ -123,10 +126,7 @@ class Siblings:
         with contextlib.suppress(OSError, msgspec.DecodeError):
             with open(path, "rb") as f:
                 rows = msgspec.msgpack.decode(f.read(), type=Rows)
-            dead = Rows(decisions=rows.decisions, events=rows.events)
-            with open(path + ".tmp", "wb") as f:
-                f.write(msgspec.msgpack.encode(dead))
-            os.replace(path + ".tmp", path)
+            Siblings._write(path, Rows(decisions=rows.decisions, events=rows.events))
 
     def others(self) -> list[Rows]:
         found = []
@@ -271,22 +271,15 @@ class _PoolCollector(Collector):
             for reason, count in rows.decisions.get(s.id, {}).items():
                 families["decisions"].add_metric([s.id, reason], count)
         yield from families.values()
-
-
-class _QueueCollector(Collector):
-    def __init__(self, depth: Callable[[], dict[str, int]]) -> None:
-        self.depth = depth  # this process's and its siblings'
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+        # the flow-control queue, from the same rows (one read of the siblings' a scrape)
+        queue = GaugeMetricFamily(
             "kvpool_router_queue_depth",
             "Requests waiting in the router's flow-control queue, by priority band.",
             labels=["band"],
         )
-        depth = self.depth()
         for band in BANDS:
-            family.add_metric([band], depth.get(band, 0))
-        yield family
+            queue.add_metric([band], rows.queue.get(band, 0))
+        yield queue
 
 
 class RouterMetrics:
@@ -458,7 +451,6 @@ class RouterMetrics:
         else:
             self.exposed = r
         r.register(_PoolCollector(workers, indexed_blocks, self._rows))
-        r.register(_QueueCollector(lambda: self._rows().queue))
 
     def watch_queue(self, depth: Callable[[], dict[str, int]]) -> None:
         """Where ``kvpool_router_queue_depth`` reads each band's waiting requests."""

@@ -240,13 +240,13 @@ def supervise(settings: RouterSettings, log_level: str = "info") -> int:
                     child.join()
                     _forget(prom, runtime, child.pid)
                     slot = ProcessSlot(i, n, runtime)
-                    if not slot.has_started() and not ever_started[i]:
+                    quick = not slot.has_started()  # it died before it served
+                    if quick and not ever_started[i]:
                         code = child.exitcode if child.exitcode and child.exitcode > 0 else 1
                         log.error("router process %d failed to start (exit %s)", i, child.exitcode)
                         on_signal(signal.SIGTERM, None)
                         on_signal(signal.SIGTERM, None)  # at once: nothing is served yet
                         break
-                    quick = not slot.has_started()
                     ever_started[i] = True
                     with contextlib.suppress(FileNotFoundError):
                         slot._started_file().unlink()

@@ -65,7 +65,7 @@ from .metrics import RouterMetrics
 from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest, saturation
 from .pool import Ticket, WorkerPool, WorkerState
-from .processes import ProcessSlot, expand_peer, supervise
+from .processes import ProcessSlot, supervise
 from .relay import (
     Failed,
     Relay,
@@ -296,13 +296,11 @@ class Router:
         assert s.peer_bind and s.peer_selector
         port = int(s.peer_bind.rsplit(":", 1)[1])
         me = socket.gethostname()
-        local = self.slot.peering(s.peer_bind, [])[1]  # this pod's other processes
 
         def on_change(endpoints: list[WorkerEndpoint]) -> None:
             remote = ["tcp://" + e.url.split("://", 1)[1] for e in endpoints if e.id != me]
-            self.peers.set_peers(
-                local + [p for peer in remote for p in expand_peer(peer, self.slot.count)]
-            )
+            # with this pod's other processes, and each pod's processes' ports
+            self.peers.set_peers(self.slot.peering(s.peer_bind, remote)[1])
 
         peers = KubernetesDiscovery(s.namespace, s.peer_selector, port)
         await _follow(peers, on_change, "router peer discovery failed; the peers known so far stay")

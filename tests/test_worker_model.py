@@ -83,14 +83,20 @@ def test_prompt_logits_match_hugging_face(variant_dir: Path) -> None:
         assert (got - expected).abs().max().item() < 1e-4, prompt
 
 
-def test_greedy_generation_matches_hugging_face(variant_dir: Path) -> None:
-    engine = LLMEngine.from_pretrained(variant_dir, EngineConfig(num_blocks=64, device="cpu"))
-    hf = _hf(variant_dir)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+def _assert_greedy_matches_hf(engine: LLMEngine, model_dir: Path, max_tokens: int) -> None:
+    """The engine's greedy outputs for :data:`PROMPTS` are HF ``generate``'s, token for
+    token."""
+    hf = _hf(model_dir)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for done in engine.generate(PROMPTS, params):
         ids = torch.tensor([done.prompt_token_ids])
-        expected = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
-        assert done.token_ids == expected.tolist()
+        expected = hf.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        assert done.token_ids == expected[0, ids.shape[1] :].tolist()
+
+
+def test_greedy_generation_matches_hugging_face(variant_dir: Path) -> None:
+    engine = LLMEngine.from_pretrained(variant_dir, EngineConfig(num_blocks=64, device="cpu"))
+    _assert_greedy_matches_hf(engine, variant_dir, max_tokens=32)
 
 
 @settings(max_examples=25, deadline=None)
@@ -183,12 +189,7 @@ def test_greedy_generation_on_the_paged_path_matches_hugging_face(llama_dir: Pat
     config = EngineConfig(num_blocks=64, device="cpu", attention="paged", max_num_seqs=8)
     engine = LLMEngine.from_pretrained(llama_dir, config)
     assert engine.runner.flex is not None
-    hf = _hf(llama_dir)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    for done in engine.generate(PROMPTS, params):
-        ids = torch.tensor([done.prompt_token_ids])
-        expected = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
-        assert done.token_ids == expected.tolist()
+    _assert_greedy_matches_hf(engine, llama_dir, max_tokens=24)
 
 
 def test_runner_returns_logits_only_for_sequences_due_a_token(llama_dir: Path) -> None:
