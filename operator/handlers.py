@@ -511,9 +511,12 @@ def _record_for_metrics(
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def reconcile(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+def reconcile(namespace: str, name: str, **_: Any) -> None:
+    """The pool as it is now, not the body of the event: kopf may hand a handler an event
+    from before the operator's own status write (it runs creation again when its annotation
+    lags that write), and a status built on a stale one moves every condition's time."""
     _remember_kopf_context()
-    sync(namespace, name, _plain(body))
+    sync(namespace, name)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -526,7 +529,7 @@ def resume(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
     carried = "; the autoscaler resumes its windows from status" if saved else ""
     post_event(plain, "Normal", "Resumed",
                f"kvpool operator {__version__} took the pool up again{carried}")  # fmt: skip
-    sync(namespace, name, plain)
+    sync(namespace, name)
 
 
 def _plain(body: Any) -> dict[str, Any]:
