@@ -76,6 +76,7 @@ from .relay import (
 from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
 from .sse import SSEWatch
+from .tries import Attempt, Tries
 
 log = logging.getLogger(__name__)
 
@@ -148,34 +149,6 @@ class _DecodeLeg:
     prefill: WorkerState
     tail_tokens: int  # what the decode worker computes itself: the part of a block
     sent: bool = False  # a decode worker got it: that worker pulls and releases the blocks
-
-
-class _Attempt:
-    """One try of a request on one worker, until its answer starts reaching the client.
-    The pool aborts it when the worker is marked down (its health check failed): the
-    request's task is cancelled, and the attempt fails over to another worker."""
-
-    __slots__ = ("aborted", "committed", "task")
-
-    def __init__(self) -> None:
-        self.task = asyncio.current_task()
-        self.aborted: str | None = None
-        self.committed = False
-
-    def abort(self, reason: str) -> None:
-        if self.committed or self.aborted is not None or self.task is None:
-            return
-        if asyncio.current_task() is self.task:
-            return  # the attempt itself found the worker down: it is failing already
-        self.aborted = reason
-        self.task.cancel()
-
-    def failure(self) -> Failed | None:
-        """After a cancellation: the failure it stands for if the pool aborted this attempt
-        and nobody else cancelled the task, else None (the cancellation goes on)."""
-        if self.aborted is None or self.task is None or self.task.uncancel() > 0:
-            return None
-        return Failed("down", "the worker stopped answering")
 
 
 class Router:
@@ -901,35 +874,22 @@ class Router:
         API server) loses the request to another worker, not the client."""
         s = self.settings
         metrics = self._metrics()
-        pool = self._pool()
-        tried: set[str] = set()
-        failures: list[str] = []
-        suspects: list[WorkerState] = []  # failed in a way the request may have caused
-        last: Failed | None = None
+        tries = Tries(
+            s,
+            self._pool(),
+            metrics,
+            routed.request_id,
+            routed.keys,
+            lambda tried: self._decide(routed, tried, leg="decode" if leg else "aggregated"),
+            first=first,
+            ranks=routed.ranks,
+            stop_at=None if routed.stream else deadline,
+        )
         headers = {"x-kvpool-prefill-worker": leg.prefill.id} if leg is not None else {}
-        for attempt_no in range(s.max_attempts):
-            if attempt_no:
-                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt_no - 1), 1.0))
-                if not routed.stream and time.monotonic() >= deadline:
-                    break  # the request's time is spent: no other worker gets it
-            if attempt_no == 0 and first is not None:
-                decision = first
-            else:
-                t0 = time.perf_counter()
-                decision = self._decide(routed, tried, leg="decode" if leg else "aggregated")
-                metrics.decision_latency.observe(time.perf_counter() - t0)
-            if decision.worker is None:
-                break
-            if last is not None:  # sent again: the last worker failed before any byte
-                metrics.retries.labels(last.reason).inc()
-            state = pool.workers[decision.worker]
-            state.decisions[decision.reason] += 1
-            if attempt_no == 0 and (first is not None or count_hit) and leg is None:
+        while (t := await tries.next()) is not None:
+            state, decision = t.state, t.decision
+            if t.number == 0 and (first is not None or count_hit) and leg is None:
                 metrics.predicted_hit_tokens.inc(decision.cached_tokens)
-            if decision is not first and log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s: %s", routed.request_id, decision.explain())
-            rank = routed.ranks.get(state.id)
-            speculated = pool.speculate(state.id, routed.keys, rank)
             now = time.monotonic()
             if leg is None:
                 ticket = state.begin(
@@ -942,9 +902,7 @@ class Router:
                 ticket = state.begin(
                     leg.tail_tokens, 0.0, now, learn=False, shows_first_token=routed.stream
                 )
-            state.breaker.on_attempt(now)
-            tried.add(state.id)
-            attempt = _Attempt()
+            attempt = Attempt()
             state.attempts.add(attempt)
             limit = now + s.first_token_timeout_s if routed.stream else deadline
             if routed.admitted is not None:
@@ -952,11 +910,11 @@ class Router:
             # The attempt's span lasts as long as the attempt: a stream's, to its end.
             span = tracing.start_span(
                 "kvpool.router.upstream",
-                {"kvpool.worker": state.id, "kvpool.attempt": attempt_no + 1},
+                {"kvpool.worker": state.id, "kvpool.attempt": t.number + 1},
             )
             span_error: str | None = "cancelled"
             try:
-                extra = {DP_RANK_HEADER: str(rank)} if rank is not None else {}
+                extra = {DP_RANK_HEADER: str(t.rank)} if t.rank is not None else {}
                 with tracing.activated(span):
                     tracing.inject(extra)  # the worker's spans join this trace
                     resp = await self._send(
@@ -993,9 +951,7 @@ class Router:
                 state.end(ticket)
                 raise
             else:
-                # Another worker answered: what failed before it was those workers' fault.
-                for suspect in suspects:
-                    suspect.breaker.on_failure(time.monotonic())
+                tries.succeeded()
                 if routed.session:
                     self.sessions.remember(routed.session, state.id)
                 if isinstance(response, RelayResponse):
@@ -1007,12 +963,9 @@ class Router:
                 if span is not None:
                     tracing.end_span(span, span_error)
             state.end(ticket)
-            pool.withdraw(state.id, speculated, rank)
-            last = exc
-            failures.append(str(exc))
+            tries.failed(t, exc, suspect=exc.reason in ("5xx", "no_token"))
             log.warning("request %s: worker %s failed: %s", routed.request_id, state.id, exc)
-            if exc.reason in ("5xx", "no_token"):
-                suspects.append(state)
+        last, failures = tries.last, tries.failures
         if last is None:
             metrics.requests.labels("no_worker").inc()
             raise OpenAIError(
@@ -1045,30 +998,21 @@ class Router:
         (the caller then serves the request whole)."""
         s = self.settings
         metrics = self._metrics()
-        pool = self._pool()
         request = json.loads(routed.body)
         body = _prefill_body(request)
-        tried: set[str] = set()
-        suspects: list[WorkerState] = []
-        last: Failed | None = None
-        decision: Decision | None = first
-        for attempt in range(s.max_attempts):
-            if attempt:
-                await asyncio.sleep(min(s.retry_backoff_s * 2 ** (attempt - 1), 1.0))
-                if time.monotonic() >= deadline:
-                    break
-                t0 = time.perf_counter()
-                decision = self._decide(routed, tried, leg="prefill")
-                metrics.decision_latency.observe(time.perf_counter() - t0)
-            if decision is None or decision.worker is None:
-                break
-            if last is not None:
-                metrics.retries.labels(last.reason).inc()
-            state = pool.workers[decision.worker]
-            state.decisions[decision.reason] += 1
-            if attempt and log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s: prefill %s", routed.request_id, decision.explain())
-            speculated = pool.speculate(state.id, routed.keys)
+        tries = Tries(
+            s,
+            self._pool(),
+            metrics,
+            routed.request_id,
+            routed.keys,
+            lambda tried: self._decide(routed, tried, leg="prefill"),
+            first=first,
+            stop_at=deadline,
+            what="prefill ",
+        )
+        while (t := await tries.next()) is not None:
+            state, decision = t.state, t.decision
             now = time.monotonic()
             ticket = state.begin(
                 routed.num_tokens - decision.cached_tokens,
@@ -1076,28 +1020,22 @@ class Router:
                 now,
                 shows_first_token=True,  # the leg's answer is its first token
             )
-            state.breaker.on_attempt(now)
-            tried.add(state.id)
             leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
             try:
                 answer = await self._prefill_leg(state, routed, body, leg_deadline)
                 state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
             except Failed as exc:
-                pool.withdraw(state.id, speculated)
-                last = exc
+                tries.failed(t, exc, suspect=exc.reason == "5xx")
                 metrics.prefill_failures.labels(exc.reason).inc()
                 log.warning(
                     "request %s: prefill leg on %s failed: %s", routed.request_id, state.id, exc
                 )
-                if exc.reason == "5xx":
-                    suspects.append(state)
                 if exc.reason in ("refused", "no_params"):
                     break  # a refusal of the split itself: another prefill worker would too
                 continue
             finally:
                 state.end(ticket)
-            for suspect in suspects:
-                suspect.breaker.on_failure(time.monotonic())
+            tries.succeeded()
             metrics.prefill_leg.observe(time.monotonic() - now)
             usage = answer.get("usage")
             if isinstance(usage, dict):  # the prefill worker's cache is the one that counts
@@ -1113,7 +1051,7 @@ class Router:
         log.warning(
             "request %s: no prefill leg succeeded (%s); serving it whole",
             routed.request_id,
-            last or "no prefill worker",
+            tries.last or "no prefill worker",
         )
         return None
 
@@ -1237,7 +1175,7 @@ class Router:
         resp: aiohttp.ClientResponse,
         arrival: float,
         deadline: float,
-        attempt: _Attempt,
+        attempt: Attempt,
         *,
         headers: dict[str, str] | None = None,
         count_usage: bool = True,
