@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .load import PrefillModel
+
 __all__ = [
     "FILTERS",
     "PD_REASONS",
@@ -69,50 +71,6 @@ SplitMode = Literal["Aggregated", "Disaggregated", "Auto"]
 
 
 # -- inputs ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class PrefillModel:
-    """A worker's time to first token as ``overhead + tokens / rate``, learned online.
-
-    An exponentially weighted least-squares fit of observed TTFTs against the prompt
-    tokens the worker had to prefill for them (its queue at routing time plus the
-    request's uncached tokens). Until the observations spread enough to fit a slope, the
-    prior rate stands, so a fresh worker is neither feared nor favoured.
-    """
-
-    rate: float = 8000.0  # prompt tokens per second
-    overhead: float = 0.03  # seconds
-    decay: float = 0.05  # weight of each new observation
-    _n: float = 0.0
-    _mx: float = 0.0
-    _my: float = 0.0
-    _vxx: float = 0.0
-    _vxy: float = 0.0
-
-    @property
-    def observations(self) -> int:
-        return int(self._n)
-
-    def predict(self, tokens: float) -> float:
-        return self.overhead + tokens / self.rate
-
-    def observe(self, tokens: float, ttft: float) -> None:
-        if ttft <= 0 or tokens < 0:
-            return
-        a = self.decay if self._n >= 1 / self.decay else 1 / (self._n + 1)
-        self._n += 1
-        dx, dy = tokens - self._mx, ttft - self._my
-        self._mx += a * dx
-        self._my += a * dy
-        self._vxx = (1 - a) * (self._vxx + a * dx * dx)
-        self._vxy = (1 - a) * (self._vxy + a * dx * dy)
-        # A slope needs prompts of different sizes: at least ~64 tokens of spread.
-        if self._n >= 4 and self._vxx > 64.0**2:
-            slope = self._vxy / self._vxx
-            if slope > 0:
-                self.rate = min(max(1 / slope, 50.0), 5e6)
-        self.overhead = min(max(self._my - self._mx / self.rate, 0.0), 10.0)
 
 
 @dataclass(slots=True)

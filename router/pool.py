@@ -48,7 +48,8 @@ from kvpool.signing import kv_events_credential
 
 from .discovery import WorkerEndpoint
 from .index import BlockIndex
-from .policy import PrefillModel, WorkerView
+from .load import PrefillModel, WorkerLoad
+from .policy import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -82,25 +83,10 @@ class CircuitBreaker:
 
 
 @dataclass
-class Ticket:
-    """One request's claim on a worker's load, from routing to its end."""
+class WorkerState(WorkerLoad):
+    """A worker as the pool keeps it: where it is, whether it is up and compatible, what
+    it serves, its event stream, and (from :class:`~.load.WorkerLoad`) its load."""
 
-    worker: str
-    tokens: int  # uncached prompt tokens it brings to the worker's prefill queue
-    queued_ahead: int  # prompt tokens queued there before it
-    routed_at: float
-    expires_at: float  # when its tokens stop counting as queued if no first token is seen
-    learn: bool = True  # its TTFT measures the worker's prefill (not a decode leg's pull)
-    first_token_seen: bool = False
-    ended: bool = False
-
-
-#: weight of each new time-per-output-token reading in a worker's average
-ITL_WEIGHT = 0.1
-
-
-@dataclass
-class WorkerState:
     endpoint: WorkerEndpoint
     status: str = "registering"  # registering, up, unavailable (503), down
     info: WorkerInfo | None = None
@@ -109,9 +95,6 @@ class WorkerState:
     cards: list[dict[str, Any]] = field(default_factory=list)  # /v1/models' data, as sent
     compatible: bool = True
     mismatch: str | None = None
-    in_flight: int = 0
-    queued: dict[int, Ticket] = field(default_factory=dict)
-    prefill: PrefillModel = field(default_factory=PrefillModel)
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
@@ -121,8 +104,6 @@ class WorkerState:
     batch_capacity: int | None = None
     batch_announced: bool = False  # batch_capacity is the worker's own max_num_seqs
     scraped_at: float | None = None
-    itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
-    itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     subscriber: EventSubscriber | None = None
     events_task: asyncio.Task[None] | None = None
@@ -135,12 +116,6 @@ class WorkerState:
     # counted here, exported by the metrics collector: a removed worker's series go with it
     decisions: Counter[str] = field(default_factory=Counter)  # by reason
     mismatches: int = 0
-    #: what the other router replicas have on it (router.peers): requests in flight and
-    #: prompt tokens not yet prefilled, their rows summed, each written by its replica
-    peer_in_flight: int = 0
-    peer_queued: int = 0
-    #: told of this router's own load here whenever it changes (for the other replicas)
-    on_load: Callable[[WorkerState], None] | None = field(default=None, repr=False)
 
     @property
     def id(self) -> str:
@@ -153,15 +128,6 @@ class WorkerState:
     @property
     def routable(self) -> bool:
         return self.status == "up" and not self.endpoint.draining
-
-    def queued_tokens(self, now: float) -> int:
-        queued = self.queued
-        if not queued:  # most workers, most of the time: every decision asks each of them
-            return 0
-        stale = [k for k, t in queued.items() if t.expires_at <= now]
-        for k in stale:
-            del queued[k]
-        return sum(t.tokens for t in queued.values())
 
     def view(self, now: float, max_load_age: float = 3.0) -> WorkerView:
         # Load the scrape has not confirmed lately is not known: neither a reason to avoid
@@ -185,86 +151,6 @@ class WorkerState:
             batch_announced=self.batch_announced,
         )
 
-    # -- a request's life on this worker --------------------------------------------------
-
-    def begin(
-        self,
-        tokens: int,
-        predicted_ttft: float,
-        now: float,
-        *,
-        learn: bool = True,
-        shows_first_token: bool = False,
-    ) -> Ticket:
-        """``learn=False``: a decode leg, whose first token waits for a block transfer as
-        well as for its prefill, so its TTFT would teach the prefill model wrong.
-        ``shows_first_token``: the router will see its first token (a stream, a prefill
-        leg's answer), so its tokens count as queued until then, however long the worker's
-        queue has grown."""
-        ticket = Ticket(
-            worker=self.id,
-            tokens=tokens,
-            queued_ahead=self.queued_tokens(now),
-            routed_at=now,
-            # A non-streamed answer shows no first token: its tokens leave the queue when
-            # they should have been prefilled (twice the prediction, at least 2 s).
-            expires_at=math.inf if shows_first_token else now + max(2 * predicted_ttft, 2.0),
-            learn=learn,
-        )
-        self.in_flight += 1
-        self.queued[id(ticket)] = ticket
-        self._load_changed()
-        return ticket
-
-    def first_token(self, ticket: Ticket, now: float) -> float:
-        """Record the first token; returns the TTFT seen from the router."""
-        ttft = now - ticket.routed_at
-        if not ticket.first_token_seen:
-            ticket.first_token_seen = True
-            self.queued.pop(id(ticket), None)
-            if ticket.learn:
-                self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
-            self._load_changed()
-        return ttft
-
-    def finish_whole(
-        self, ticket: Ticket, now: float, completion_tokens: int | None
-    ) -> float | None:
-        """Learn from an answer that came back whole (not streamed); returns the TTFT it
-        implies, or None when it implies nothing.
-
-        A whole answer shows no first token, but its time is the prefill's plus its decode:
-        the tokens after the first, each taking the worker's time per output token
-        (:attr:`itl`, learned from streams and from the worker's own histogram). What is
-        left is the TTFT, taught to the prefill model as :meth:`first_token` does, so a
-        pool that streams nothing still learns each worker's prefill rate. An estimate
-        that leaves nothing (a long answer on a worker that decoded faster than usual)
-        teaches nothing."""
-        if ticket.first_token_seen or not ticket.learn or self.itl is None:
-            return None
-        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
-            return None
-        if completion_tokens < 1:
-            return None
-        ttft = (now - ticket.routed_at) - (completion_tokens - 1) * self.itl
-        if not ttft > 0:
-            return None
-        return self.first_token(ticket, ticket.routed_at + ttft)
-
-    def observe_itl(self, seconds: float) -> None:
-        """One reading of the worker's time per output token: a streamed inter-chunk gap,
-        or the mean over a scrape interval."""
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            return
-        if self.itl is None:
-            self.itl = seconds
-        else:
-            self.itl += ITL_WEIGHT * (seconds - self.itl)
-
-    def _load_changed(self) -> None:
-        if self.on_load is not None:
-            self.on_load(self)
-
     def set_models(self, cards: list[dict[str, Any]]) -> None:
         """Take a worker's ``/v1/models`` cards. The base model is kvpool's own word when it
         has one, else vLLM's base card (the one without a ``parent``), else the first."""
@@ -277,13 +163,6 @@ class WorkerState:
             base = next((c["id"] for c in cards if c.get("parent") is None), None)
             self.model = base if base is not None else (ids[0] if ids else None)
         self.models = frozenset(ids)
-
-    def end(self, ticket: Ticket) -> None:
-        if not ticket.ended:
-            ticket.ended = True
-            self.in_flight -= 1
-            self.queued.pop(id(ticket), None)
-            self._load_changed()
 
 
 @dataclass
@@ -709,22 +588,7 @@ class WorkerPool:
             if queueing and not state.batch_announced:
                 state.batch_capacity = max(state.batch_capacity or 0, int(state.running or 0))
             state.scraped_at = time.monotonic()
-            self._learn_itl(state, values)
-
-    @staticmethod
-    def _learn_itl(state: WorkerState, values: dict[str, float]) -> None:
-        """The mean time per output token since the last scrape, from the growth of the
-        worker's ITL histogram; a counter that fell means the worker started again."""
-        total = values.get(ITL_SUM)
-        count = values.get(ITL_COUNT)
-        if total is None or count is None:
-            return
-        last, state.itl_totals = state.itl_totals, (total, count)
-        if last is None:
-            return
-        d_sum, d_count = total - last[0], count - last[1]
-        if d_count > 0 and d_sum >= 0:
-            state.observe_itl(d_sum / d_count)
+            state.learn_itl(values.get(ITL_SUM), values.get(ITL_COUNT))
 
     # -- the index, by data-parallel rank ---------------------------------------------------
 

@@ -28,8 +28,9 @@ from fastapi.responses import StreamingResponse
 from kvpool import tracing
 from kvpool.openai_api import OpenAIError
 
+from .load import Ticket
 from .metrics import RouterMetrics
-from .pool import Ticket, WorkerState
+from .pool import WorkerState
 from .sse import SSEWatch
 
 __all__ = [

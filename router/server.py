@@ -61,10 +61,11 @@ from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .index import BlockIndex
+from .load import Ticket
 from .metrics import RouterMetrics
 from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest, saturation
-from .pool import Ticket, WorkerPool, WorkerState
+from .pool import WorkerPool, WorkerState
 from .processes import ProcessSlot, supervise
 from .relay import (
     Failed,

@@ -1,0 +1,209 @@
+"""The cost model: what a worker has been sent, and how long its prefill takes.
+
+Each worker's load, as the router sees it, is written here and nowhere else:
+
+* its requests in flight, and the prompt tokens each brought that it has not prefilled
+  yet (a :class:`Ticket` from routing to the request's end; its tokens leave the queue at
+  the first token, or, for an answer that shows none, when they should have been done);
+* what the other router replicas report they sent it (their rows, summed);
+* its prefill rate (:class:`PrefillModel`), learned from every time to first token seen;
+* its time per output token, from streamed gaps and from its own ITL histogram.
+
+The policy reads a snapshot of this (:class:`~kvpool.router.policy.WorkerView`); the
+pool owns the worker's membership, health and event streams; the data path claims and
+releases load through :meth:`WorkerLoad.begin` and :meth:`WorkerLoad.end`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad"]
+
+
+@dataclass(slots=True)
+class PrefillModel:
+    """A worker's time to first token as ``overhead + tokens / rate``, learned online.
+
+    An exponentially weighted least-squares fit of observed TTFTs against the prompt
+    tokens the worker had to prefill for them (its queue at routing time plus the
+    request's uncached tokens). Until the observations spread enough to fit a slope, the
+    prior rate stands, so a fresh worker is neither feared nor favoured.
+    """
+
+    rate: float = 8000.0  # prompt tokens per second
+    overhead: float = 0.03  # seconds
+    decay: float = 0.05  # weight of each new observation
+    _n: float = 0.0
+    _mx: float = 0.0
+    _my: float = 0.0
+    _vxx: float = 0.0
+    _vxy: float = 0.0
+
+    @property
+    def observations(self) -> int:
+        return int(self._n)
+
+    def predict(self, tokens: float) -> float:
+        return self.overhead + tokens / self.rate
+
+    def observe(self, tokens: float, ttft: float) -> None:
+        if ttft <= 0 or tokens < 0:
+            return
+        a = self.decay if self._n >= 1 / self.decay else 1 / (self._n + 1)
+        self._n += 1
+        dx, dy = tokens - self._mx, ttft - self._my
+        self._mx += a * dx
+        self._my += a * dy
+        self._vxx = (1 - a) * (self._vxx + a * dx * dx)
+        self._vxy = (1 - a) * (self._vxy + a * dx * dy)
+        # A slope needs prompts of different sizes: at least ~64 tokens of spread.
+        if self._n >= 4 and self._vxx > 64.0**2:
+            slope = self._vxy / self._vxx
+            if slope > 0:
+                self.rate = min(max(1 / slope, 50.0), 5e6)
+        self.overhead = min(max(self._my - self._mx / self.rate, 0.0), 10.0)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's claim on a worker's load, from routing to its end."""
+
+    tokens: int  # uncached prompt tokens it brings to the worker's prefill queue
+    queued_ahead: int  # prompt tokens queued there before it
+    routed_at: float
+    expires_at: float  # when its tokens stop counting as queued if no first token is seen
+    learn: bool = True  # its TTFT measures the worker's prefill (not a decode leg's pull)
+    first_token_seen: bool = False
+    ended: bool = False
+
+
+#: weight of each new time-per-output-token reading in a worker's average
+ITL_WEIGHT = 0.1
+
+
+@dataclass(kw_only=True)
+class WorkerLoad:
+    """One worker's load and speed, as this router knows them (the pool's worker state
+    extends it with membership and health)."""
+
+    in_flight: int = 0
+    queued: dict[int, Ticket] = field(default_factory=dict)
+    prefill: PrefillModel = field(default_factory=PrefillModel)
+    itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
+    itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
+    #: what the other router replicas have on it (router.peers): requests in flight and
+    #: prompt tokens not yet prefilled, their rows summed, each written by its replica
+    peer_in_flight: int = 0
+    peer_queued: int = 0
+    #: told of this router's own load here whenever it changes (for the other replicas)
+    on_load: Callable[[Any], None] | None = field(default=None, repr=False)
+
+    def queued_tokens(self, now: float) -> int:
+        queued = self.queued
+        if not queued:  # most workers, most of the time: every decision asks each of them
+            return 0
+        stale = [k for k, t in queued.items() if t.expires_at <= now]
+        for k in stale:
+            del queued[k]
+        return sum(t.tokens for t in queued.values())
+
+    def begin(
+        self,
+        tokens: int,
+        predicted_ttft: float,
+        now: float,
+        *,
+        learn: bool = True,
+        shows_first_token: bool = False,
+    ) -> Ticket:
+        """``learn=False``: a decode leg, whose first token waits for a block transfer as
+        well as for its prefill, so its TTFT would teach the prefill model wrong.
+        ``shows_first_token``: the router will see its first token (a stream, a prefill
+        leg's answer), so its tokens count as queued until then, however long the worker's
+        queue has grown."""
+        ticket = Ticket(
+            tokens=tokens,
+            queued_ahead=self.queued_tokens(now),
+            routed_at=now,
+            # A non-streamed answer shows no first token: its tokens leave the queue when
+            # they should have been prefilled (twice the prediction, at least 2 s).
+            expires_at=math.inf if shows_first_token else now + max(2 * predicted_ttft, 2.0),
+            learn=learn,
+        )
+        self.in_flight += 1
+        self.queued[id(ticket)] = ticket
+        self._load_changed()
+        return ticket
+
+    def first_token(self, ticket: Ticket, now: float) -> float:
+        """Record the first token; returns the TTFT seen from the router."""
+        ttft = now - ticket.routed_at
+        if not ticket.first_token_seen:
+            ticket.first_token_seen = True
+            self.queued.pop(id(ticket), None)
+            if ticket.learn:
+                self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
+            self._load_changed()
+        return ttft
+
+    def finish_whole(
+        self, ticket: Ticket, now: float, completion_tokens: int | None
+    ) -> float | None:
+        """Learn from an answer that came back whole (not streamed); returns the TTFT it
+        implies, or None when it implies nothing.
+
+        A whole answer shows no first token, but its time is the prefill's plus its decode:
+        the tokens after the first, each taking the worker's time per output token
+        (:attr:`itl`, learned from streams and from the worker's own histogram). What is
+        left is the TTFT, taught to the prefill model as :meth:`first_token` does, so a
+        pool that streams nothing still learns each worker's prefill rate. An estimate
+        that leaves nothing (a long answer on a worker that decoded faster than usual)
+        teaches nothing."""
+        if ticket.first_token_seen or not ticket.learn or self.itl is None:
+            return None
+        if not isinstance(completion_tokens, int) or isinstance(completion_tokens, bool):
+            return None
+        if completion_tokens < 1:
+            return None
+        ttft = (now - ticket.routed_at) - (completion_tokens - 1) * self.itl
+        if not ttft > 0:
+            return None
+        return self.first_token(ticket, ticket.routed_at + ttft)
+
+    def end(self, ticket: Ticket) -> None:
+        if not ticket.ended:
+            ticket.ended = True
+            self.in_flight -= 1
+            self.queued.pop(id(ticket), None)
+            self._load_changed()
+
+    def observe_itl(self, seconds: float) -> None:
+        """One reading of the worker's time per output token: a streamed inter-chunk gap,
+        or the mean over a scrape interval."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        if self.itl is None:
+            self.itl = seconds
+        else:
+            self.itl += ITL_WEIGHT * (seconds - self.itl)
+
+    def learn_itl(self, total: float | None, count: float | None) -> None:
+        """The mean time per output token since the last scrape, from the growth of the
+        worker's ITL histogram (its sum and count); a counter that fell means the worker
+        started again."""
+        if total is None or count is None:
+            return
+        last, self.itl_totals = self.itl_totals, (total, count)
+        if last is None:
+            return
+        d_sum, d_count = total - last[0], count - last[1]
+        if d_count > 0 and d_sum >= 0:
+            self.observe_itl(d_sum / d_count)
+
+    def _load_changed(self) -> None:
+        if self.on_load is not None:
+            self.on_load(self)
