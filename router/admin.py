@@ -44,8 +44,8 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
                 "circuit_open": s.breaker.is_open(now),
                 "kv_events": s.subscriber.endpoint if s.subscriber else None,
                 "events_seen": s.events_seen,
-                "indexed_blocks": pool.indexed_blocks(s.id),
-                "data_parallel_ranks": pool.ranks(s.id),
+                "indexed_blocks": pool.feed.indexed_blocks(s.id),
+                "data_parallel_ranks": pool.feed.ranks(s.id),
             }
         )
     return rows

@@ -1,4 +1,4 @@
-"""The router's workers: registration, health, load, circuit breakers and event streams.
+"""The router's workers: membership, registration, health, scraping and circuit breakers.
 
 For each worker the pool keeps what the policy needs at decision time (a
 :class:`~kvpool.router.policy.WorkerView`) and three background tasks:
@@ -15,11 +15,10 @@ For each worker the pool keeps what the policy needs at decision time (a
   model and the LoRA adapters it serves now (vLLM loads adapters at run time).
 * **load**: ``GET /metrics`` every ``scrape_interval_s``: KV cache usage, waiting requests
   and the mean time per output token, under vLLM's metric names.
-* **events**: a :class:`~kvpool.kv_events.EventSubscriber` feeding the block index; a
-  lost stretch of events clears that worker's entries (never a silently wrong index).
-  A data-parallel worker runs one engine, and one cache, per rank: its batches are indexed
-  apart by rank (index id ``worker`` for rank 0, ``worker@dp<r>`` above), so one engine's
-  eviction never takes away what another still holds.
+* **events**: started when the worker registers, stopped when it goes down; the stream,
+  its data-parallel ranks and the index entries they write are the feed's
+  (:class:`~kvpool.router.feed.IndexFeed`), and the cost model, the worker's load
+  (:class:`~kvpool.router.load.WorkerLoad`).
 
 A worker that goes down takes its in-flight attempts with it: each is told to abort, so a
 request still waiting on a hung worker for its first token is retried elsewhere at once.
@@ -42,11 +41,12 @@ from typing import Any
 import aiohttp
 
 from kvpool.hashing import HASH_ALGORITHM
-from kvpool.kv_events import EventSubscriber, Received
+from kvpool.kv_events import EventSubscriber
 from kvpool.openai_api import WorkerInfo
 from kvpool.signing import kv_events_credential
 
 from .discovery import WorkerEndpoint
+from .feed import IndexFeed
 from .index import BlockIndex
 from .load import PrefillModel, WorkerLoad
 from .policy import WorkerView
@@ -200,14 +200,11 @@ class WorkerPool:
         self.index = index
         self.client = client
         self.workers: dict[str, WorkerState] = {}
-        self._on_event_lag = on_event_lag
-        # index id of a data-parallel rank above 0 -> (worker id, rank); empty for a pool
-        # of single-engine workers, which keeps :meth:`match` to one pass over the index's
-        self._rank_of: dict[str, tuple[str, int]] = {}
+        #: the index's writer: the workers' event streams, their ranks, speculation
+        self.feed = IndexFeed(index, self.workers, on_event_lag)
         self.changed = asyncio.Event()  # set when a worker becomes routable
         #: the other router replicas (router.peers.PeerLink), when there are any
         self.peers: Any = None
-        self._sweeper: asyncio.Task[None] | None = None
         self._peer_load: dict[str, tuple[int, int]] = {}  # worker -> the peers' sums
 
     # -- membership (from discovery) ------------------------------------------------------
@@ -227,9 +224,7 @@ class WorkerPool:
             self._add(endpoint)
 
     def _add(self, endpoint: WorkerEndpoint) -> None:
-        owner = self._rank_of.get(endpoint.id)
-        if owner is not None:  # a worker named like another's rank: the name is the worker's
-            self._drop_rank(self.workers[owner[0]], owner[1])
+        self.feed.claim_name(endpoint.id)
         state = WorkerState(endpoint=endpoint)
         state.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
         if self.peers is not None:
@@ -243,24 +238,19 @@ class WorkerPool:
 
     def _remove(self, wid: str) -> None:
         state = self.workers.pop(wid)
-        self._stop_events(state)
+        self.feed.forget(state, remove=True)
         for task in state.tasks:
             task.cancel()
         self._abort_attempts(state, "removed")
-        for rank in list(state.dp_ranks):
-            self._drop_rank(state, rank)
-        if wid in self.index:
-            self.index.remove_worker(wid)
-        self._sweep_later()
         log.info("worker %s removed", wid)
 
     async def close(self) -> None:
         tasks = [t for s in self.workers.values() for t in [*s.tasks, s.events_task] if t]
         for wid in list(self.workers):
             self._remove(wid)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            tasks.append(self._sweeper)
+        sweeper = self.feed.close()
+        if sweeper is not None:
+            tasks.append(sweeper)
         for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
@@ -348,13 +338,7 @@ class WorkerPool:
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
         state.itl_totals = None  # a restarted worker counts from zero again
         state.status = "down"
-        self._stop_events(state)
-        # Its ranks are seen again when its events start again, maybe fewer of them.
-        for rank in list(state.dp_ranks):
-            self._drop_rank(state, rank)
-        if state.id in self.index:
-            self.index.clear_worker(state.id)
-        self._sweep_later()
+        self.feed.forget(state, remove=False)
         if dead or was_down:
             self._abort_attempts(state, why)
 
@@ -431,10 +415,13 @@ class WorkerPool:
             state.mismatches += 1
         events = self._events_endpoints(state)
         state.tracked = events is not None
-        if state.id not in self.index:
-            self.index.add_worker(state.id, tracked=state.tracked)
+        self.feed.track(state)
         if events is not None and state.compatible:
-            self._start_events(state, *events)
+            secret = self.config.pool_secret
+            # Only a kvpool worker (it has /kvpool/info) checks the credential; a vLLM
+            # publisher speaks ZMQ's NULL mechanism and would refuse one.
+            credential = kv_events_credential(secret) if secret and state.info else None
+            self.feed.start(state, *events, credential)
         state.status = "up"
         self.changed.set()
         log.info(
@@ -506,65 +493,6 @@ class WorkerPool:
             return ev.endpoint, ev.replay_endpoint, ev.topic
         return None
 
-    # -- KV events ------------------------------------------------------------------------
-
-    def _start_events(
-        self, state: WorkerState, endpoint: str, replay: str | None, topic: str
-    ) -> None:
-        self._stop_events(state)
-        secret = self.config.pool_secret
-        sub = EventSubscriber(
-            endpoint,
-            replay,
-            topic=topic,
-            # With a replay buffer, start from its beginning: the blocks it stored before
-            # the router came are indexed too.
-            start_seq=0 if replay else None,
-            name=state.id,
-            # Only a kvpool worker (it has /kvpool/info) checks the credential; a vLLM
-            # publisher speaks ZMQ's NULL mechanism and would refuse one.
-            credential=kv_events_credential(secret) if secret and state.info else None,
-        )
-        state.subscriber = sub
-        state.events_task = asyncio.create_task(self._events_loop(state, sub))
-
-    def _stop_events(self, state: WorkerState) -> None:
-        sub, state.subscriber = state.subscriber, None
-        task, state.events_task = state.events_task, None
-        if task is not None:
-            task.cancel()
-        if sub is not None:
-            sub.close()
-
-    async def _events_loop(self, state: WorkerState, sub: EventSubscriber) -> None:
-        try:
-            async for item in sub.start():
-                if state.subscriber is not sub:
-                    return
-                if isinstance(item, Received):
-                    rank = item.batch.data_parallel_rank
-                    # vLLM's single engine says rank 0, others may say None: one cache.
-                    iid = state.id if not rank or rank < 0 else self._rank_id(state, rank)
-                    self.index.apply(iid, item.batch)  # AllBlocksCleared: a sweep to do
-                    self._sweep_later()
-                    state.events_seen += len(item.batch.events)
-                    # A replayed batch is late by design: its lag says nothing.
-                    if self._on_event_lag and item.batch.ts > 0 and not item.replayed:
-                        self._on_event_lag(time.time() - item.batch.ts)
-                else:  # events were lost: what the index says of this worker may be wrong
-                    self._clear_index(state)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the stream is lost, not the router: start it again
-            log.exception("worker %s: KV event stream failed; restarting it", state.id)
-            self._clear_index(state)
-            await asyncio.sleep(1.0)
-            if state.subscriber is sub and state.status == "up":
-                state.subscriber = state.events_task = None  # this task ends here
-                self._start_events(state, sub.endpoint, sub.replay_endpoint, sub.topic.decode())
-        finally:
-            sub.close()
-
     # -- load -----------------------------------------------------------------------------
 
     async def _scrape_loop(self, state: WorkerState) -> None:
@@ -590,124 +518,12 @@ class WorkerPool:
             state.scraped_at = time.monotonic()
             state.learn_itl(values.get(ITL_SUM), values.get(ITL_COUNT))
 
-    # -- the index, by data-parallel rank ---------------------------------------------------
-
-    def _rank_id(self, state: WorkerState, rank: int) -> str:
-        """The index id of a worker's rank above 0, registered the first time it is seen."""
-        iid = state.dp_ranks.get(rank)
-        if iid is not None:
-            return iid
-        iid = f"{state.id}@dp{rank}"
-        if iid in self.workers or iid in self.index:  # a worker is named so: share rank 0's
-            log.warning("worker %s: rank %d's index id %s is taken", state.id, rank, iid)
-            return state.id
-        self.index.add_worker(iid, tracked=state.tracked)
-        state.dp_ranks[rank] = iid
-        self._rank_of[iid] = (state.id, rank)
-        return iid
-
-    def _drop_rank(self, state: WorkerState, rank: int) -> None:
-        iid = state.dp_ranks.pop(rank)
-        del self._rank_of[iid]
-        if iid in self.index:
-            self.index.remove_worker(iid)
-
-    def _index_ids(self, state: WorkerState) -> list[str]:
-        ids = [state.id] if state.id in self.index else []
-        return [*ids, *state.dp_ranks.values()]
-
-    def _clear_index(self, state: WorkerState) -> None:
-        for iid in self._index_ids(state):
-            self.index.clear_worker(iid)
-        self._sweep_later()
-
-    def _sweep_later(self) -> None:
-        """A cleared or removed worker leaves the index at once (its bit is retired: no
-        lookup counts it) and its entries are swept out in slices of about a millisecond
-        each, between other work on the loop: clearing a million blocks at once stalled
-        every stream for most of a second."""
-        if self._sweeper is None and self.index.pending_sweep():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-
-    async def _sweep(self) -> None:
-        try:
-            while self.index.sweep():  # noqa: ASYNC110 - a slice, then the loop's turn
-                await asyncio.sleep(0)
-        finally:
-            self._sweeper = None
-
-    def clear_worker(self, worker_id: str) -> None:
-        """Drop every index entry of a worker, all its ranks'; unknown worker: nothing."""
-        state = self.workers.get(worker_id)
-        if state is not None:
-            self._clear_index(state)
-
-    def indexed_blocks(self, worker_id: str) -> int:
-        """Confirmed blocks indexed for the worker, all its ranks together."""
-        state = self.workers.get(worker_id)
-        if state is None:
-            return 0
-        return sum(self.index.num_blocks(iid) for iid in self._index_ids(state))
-
-    def ranks(self, worker_id: str) -> list[int]:
-        """The data-parallel ranks indexed for the worker (0 stands for its plain id)."""
-        state = self.workers.get(worker_id)
-        if state is None:
-            return []
-        return [0] * (worker_id in self.index) + sorted(state.dp_ranks)
-
-    def match(self, keys: list[int]) -> dict[str, tuple[int, int | None]]:
-        """Per worker holding the prompt's first block: the leading blocks held by its rank
-        that holds the most, and that rank (None for a worker with one rank; a tie goes to
-        the lower rank). A worker with several ranks names rank 0 too: vLLM's own
-        balancer would otherwise be free to send the request to another rank."""
-        raw = self.index.match(keys)
-        rank_of = self._rank_of
-        if not rank_of:
-            return {wid: (n, None) for wid, n in raw.items()}
-        workers = self.workers
-        out: dict[str, tuple[int, int | None]] = {}
-        for iid, n in raw.items():
-            owner = rank_of.get(iid)
-            if owner is None:
-                state = workers.get(iid)
-                wid, rank = iid, (0 if state is not None and state.dp_ranks else None)
-            else:
-                wid, rank = owner
-            best = out.get(wid)
-            if best is None or n > best[0] or (n == best[0] and (rank or 0) < (best[1] or 0)):
-                out[wid] = (n, rank)
-        return out
-
-    def _speculation_id(self, worker_id: str, rank: int | None, register: bool) -> str | None:
-        if not rank or rank < 0:
-            return worker_id if worker_id in self.index else None
-        state = self.workers.get(worker_id)
-        if state is None or worker_id not in self.index:
-            return None
-        iid = state.dp_ranks.get(rank)
-        if iid is None and register:
-            iid = self._rank_id(state, rank)
-        return iid
-
-    def speculate(self, worker_id: str, keys: list[int], rank: int | None = None) -> list[int]:
-        """Count the chain as held by the worker (its ``rank``, when the router chose one)
-        from now: see :meth:`BlockIndex.speculate`. Returns the keys added, for
-        :meth:`withdraw`; a worker gone meanwhile: nothing. The other router replicas are
-        told, and count it too."""
-        iid = self._speculation_id(worker_id, rank, register=True)
-        if iid is None:
-            return []
-        if self.peers is not None:
-            self.peers.speculated(worker_id, rank, keys)
-        return self.index.speculate(iid, keys)
-
     # -- the other router replicas ----------------------------------------------------------
 
     def share_with(self, peers: Any) -> None:
         """Tell ``peers`` (a :class:`router.peers.PeerLink`) this router's load and
         speculations from now on."""
-        self.peers = peers
+        self.peers = self.feed.peers = peers
         for state in self.workers.values():
             state.on_load = self._own_load_changed
 
@@ -728,19 +544,6 @@ class WorkerPool:
         state = self.workers.get(worker_id)
         if state is not None:
             state.peer_in_flight, state.peer_queued = in_flight, queued_tokens
-
-    def peer_speculated(self, worker_id: str, rank: int | None, keys: list[int]) -> None:
-        """Another replica sent this chain to the worker: count it as this router would."""
-        iid = self._speculation_id(worker_id, rank, register=True)
-        if iid is not None:
-            self.index.speculate(iid, keys)
-
-    def withdraw(self, worker_id: str, keys: list[int], rank: int | None = None) -> None:
-        """Take back what :meth:`speculate` added for an attempt that never reached the
-        worker's cache; a worker gone meanwhile: nothing to take back."""
-        iid = self._speculation_id(worker_id, rank, register=False)
-        if iid is not None:
-            self.index.withdraw(iid, keys)
 
 
 def _raise_for_status(path: str, status: int) -> None:

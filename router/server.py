@@ -224,7 +224,7 @@ class Router:
                 peers,
                 rows=pool.own_rows,
                 on_load=pool.peer_load,
-                on_speculated=pool.peer_speculated,
+                on_speculated=pool.feed.peer_speculated,
                 secret=secret,
             )
             self.peers.start()
@@ -232,7 +232,9 @@ class Router:
             if s.peer_selector:
                 self._peer_task = asyncio.create_task(self._discover_peers())
         self.metrics = RouterMetrics(
-            lambda: list(pool.workers.values()), pool.indexed_blocks, shared=self.slot.runtime_dir
+            lambda: list(pool.workers.values()),
+            pool.feed.indexed_blocks,
+            shared=self.slot.runtime_dir,
         )
         self._share_task = asyncio.create_task(self.metrics.share())
         self.gate = Gate(s, self.metrics, self._saturation)
@@ -775,7 +777,7 @@ class Router:
         return await asyncio.to_thread(chat)
 
     def _route_request(self, routed: Routed) -> RouteRequest:
-        matched = self._pool().match(routed.keys)
+        matched = self._pool().feed.match(routed.keys)
         routed.ranks = {w: r for w, (_, r) in matched.items() if r is not None}
         return RouteRequest(
             num_tokens=routed.num_tokens,

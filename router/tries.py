@@ -134,7 +134,7 @@ class Tries:
         state = self.pool.workers[decision.worker]
         state.decisions[decision.reason] += 1
         rank = self.ranks.get(state.id) if self.ranks is not None else None
-        speculated = self.pool.speculate(state.id, self.keys, rank)
+        speculated = self.pool.feed.speculate(state.id, self.keys, rank)
         state.breaker.on_attempt(time.monotonic())
         self.tried.add(state.id)
         return Try(number, decision, state, rank, speculated)
@@ -142,7 +142,7 @@ class Tries:
     def failed(self, t: Try, exc: Failed, *, suspect: bool) -> None:
         """The try failed before any byte reached the client: its claim on the worker's
         cache is taken back. ``suspect``: perhaps the request's fault (see the module)."""
-        self.pool.withdraw(t.state.id, t.speculated, t.rank)
+        self.pool.feed.withdraw(t.state.id, t.speculated, t.rank)
         self.last = exc
         self.failures.append(str(exc))
         if suspect:

@@ -273,17 +273,17 @@ async def test_ranks_of_one_worker_are_indexed_apart(
 
     publisher.publish(on_rank(0, stored(1, 2, 3)))
     publisher.publish(on_rank(1, stored(1, 2, 3, 4)))
-    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (4, 1)}, "rank 1's blocks")
-    assert pool.ranks("w1") == [0, 1]
-    assert pool.indexed_blocks("w1") == 7
+    await eventually(lambda: pool.feed.match([1, 2, 3, 4]) == {"w1": (4, 1)}, "rank 1's blocks")
+    assert pool.feed.ranks("w1") == [0, 1]
+    assert pool.feed.indexed_blocks("w1") == 7
 
     # Rank 1 evicts the prefix: rank 0 still holds it, and the worker keeps its credit.
     publisher.publish(on_rank(1, BlockRemoved(block_hashes=[1, 2, 3, 4])))
-    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (3, 0)}, "rank 0's blocks")
+    await eventually(lambda: pool.feed.match([1, 2, 3, 4]) == {"w1": (3, 0)}, "rank 0's blocks")
 
     # vLLM's single engine says rank 0, others None: the same engine, the same cache.
     publisher.publish(on_rank(None, BlockRemoved(block_hashes=[3])))
-    await eventually(lambda: pool.match([1, 2, 3, 4]) == {"w1": (2, 0)}, "rank 0 evicts")
+    await eventually(lambda: pool.feed.match([1, 2, 3, 4]) == {"w1": (2, 0)}, "rank 0 evicts")
     assert pool.index.num_blocks("w1") == 2  # what /debug/workers shows for the worker
 
 
@@ -295,16 +295,16 @@ async def test_equal_ranks_match_at_the_lowest_and_speculation_goes_to_the_chose
     pool, _ = await pool_of(dp)
     publisher.publish(on_rank(2, stored(7, 8)))
     publisher.publish(on_rank(1, stored(7, 8)))
-    await eventually(lambda: pool.ranks("w1") == [0, 1, 2], "both ranks")
-    await eventually(lambda: pool.match([7, 8]) == {"w1": (2, 1)}, "rank 1's blocks")
+    await eventually(lambda: pool.feed.ranks("w1") == [0, 1, 2], "both ranks")
+    await eventually(lambda: pool.feed.match([7, 8]) == {"w1": (2, 1)}, "rank 1's blocks")
 
-    assert pool.speculate("w1", [7, 8, 9], rank=2) == [9]
-    assert pool.match([7, 8, 9]) == {"w1": (3, 2)}
-    pool.withdraw("w1", [9], rank=2)
-    assert pool.match([7, 8, 9]) == {"w1": (2, 1)}
+    assert pool.feed.speculate("w1", [7, 8, 9], rank=2) == [9]
+    assert pool.feed.match([7, 8, 9]) == {"w1": (3, 2)}
+    pool.feed.withdraw("w1", [9], rank=2)
+    assert pool.feed.match([7, 8, 9]) == {"w1": (2, 1)}
     # A rank the router pins before the worker has published from it is indexed too.
-    assert pool.speculate("w1", [7], rank=3) == [7]
-    assert pool.ranks("w1") == [0, 1, 2, 3]
+    assert pool.feed.speculate("w1", [7], rank=3) == [7]
+    assert pool.feed.ranks("w1") == [0, 1, 2, 3]
 
 
 async def test_going_down_drops_every_ranks_blocks(
@@ -315,22 +315,22 @@ async def test_going_down_drops_every_ranks_blocks(
     pool, _ = await pool_of(dp)
     publisher.publish(on_rank(0, stored(1)))
     publisher.publish(on_rank(1, stored(1, 2)))
-    await eventually(lambda: pool.match([1, 2]) == {"w1": (2, 1)}, "both ranks")
+    await eventually(lambda: pool.feed.match([1, 2]) == {"w1": (2, 1)}, "both ranks")
 
-    pool.clear_worker("w1")  # what a lost stretch of events does
-    assert pool.match([1, 2]) == {}
-    assert pool.ranks("w1") == [0, 1]
+    pool.feed.clear_worker("w1")  # what a lost stretch of events does
+    assert pool.feed.match([1, 2]) == {}
+    assert pool.feed.ranks("w1") == [0, 1]
 
     publisher.publish(on_rank(1, stored(1, 2)))
-    await eventually(lambda: pool.match([1, 2]) == {"w1": (2, 1)}, "rank 1 again")
+    await eventually(lambda: pool.feed.match([1, 2]) == {"w1": (2, 1)}, "rank 1 again")
     pool.mark_down(pool.workers["w1"], "test")
-    assert pool.match([1, 2]) == {}
-    assert pool.ranks("w1") == [0]
+    assert pool.feed.match([1, 2]) == {}
+    assert pool.feed.ranks("w1") == [0]
     assert pool.index.workers() == ["w1"]
 
     pool.set_endpoints([])
     assert pool.index.workers() == []
-    assert pool.ranks("w1") == []
+    assert pool.feed.ranks("w1") == []
 
 
 # -- speculation taken back ---------------------------------------------------------------
@@ -340,18 +340,18 @@ async def test_a_failed_attempt_leaves_an_untracked_worker_no_cache_credit(
     pool_of: Setup,
 ) -> None:
     pool, _ = await pool_of(Worker(), Worker())  # vLLM without events: approximate mode
-    assert pool.speculate("w1", [1, 2]) == [1, 2]
-    added = pool.speculate("w2", [1, 2, 3])
-    assert pool.match([1, 2, 3]) == {"w1": (2, None), "w2": (3, None)}
+    assert pool.feed.speculate("w1", [1, 2]) == [1, 2]
+    added = pool.feed.speculate("w2", [1, 2, 3])
+    assert pool.feed.match([1, 2, 3]) == {"w1": (2, None), "w2": (3, None)}
 
-    pool.withdraw("w2", added)  # the worker answered 429: it computed nothing
-    assert pool.match([1, 2, 3]) == {"w1": (2, None)}
+    pool.feed.withdraw("w2", added)  # the worker answered 429: it computed nothing
+    assert pool.feed.match([1, 2, 3]) == {"w1": (2, None)}
 
     # The worker may be gone by the time the attempt ends.
     pool.set_endpoints([WorkerEndpoint(id="w1", url=pool.workers["w1"].url)])
-    assert pool.speculate("w2", [5]) == []
-    pool.withdraw("w2", added)
-    assert pool.match([1, 2, 3]) == {"w1": (2, None)}
+    assert pool.feed.speculate("w2", [5]) == []
+    pool.feed.withdraw("w2", added)
+    assert pool.feed.match([1, 2, 3]) == {"w1": (2, None)}
 
 
 # -- attempts on a worker that goes down -----------------------------------------------------
@@ -588,7 +588,7 @@ async def test_a_worker_going_down_leaves_the_index_in_slices_between_other_work
     pool.index.store("w2", range(1, 1001))
     pool.mark_down(pool.workers["w1"], "test")
     # gone from every lookup at once; its entries still to sweep
-    assert pool.match(list(range(1, 11))) == {"w2": (10, None)}
+    assert pool.feed.match(list(range(1, 11))) == {"w2": (10, None)}
     assert pool.index.pending_sweep() >= 200_000
     # the loop keeps turning while the sweep goes on, in many slices, not one
     ticks = 0
