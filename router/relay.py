@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from fastapi.responses import StreamingResponse
 
 from kvpool import tracing
@@ -32,6 +31,7 @@ from .load import Ticket
 from .metrics import RouterMetrics
 from .pool import WorkerState
 from .sse import SSEWatch
+from .upstream import UpstreamResponse
 
 __all__ = [
     "Failed",
@@ -66,7 +66,7 @@ class Relay:
     state: WorkerState
     ticket: Ticket
     request_id: str
-    resp: aiohttp.ClientResponse
+    resp: UpstreamResponse
     arrival: float
     events: SSEWatch
     metrics: RouterMetrics
@@ -85,7 +85,7 @@ class Relay:
         :class:`Failed` if the stream fails, ends or errors before it, or it does not come
         before ``deadline``."""
         state, events = self.state, self.events
-        self._chunks = self.resp.content.iter_any()
+        self._chunks = self.resp.iter_any()
         head: list[bytes] = []
         try:
             while not events.started:
@@ -100,7 +100,7 @@ class Relay:
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             raise Failed("ttft_timeout", "no first token before the time limit", 504) from None
-        except (aiohttp.ClientError, OSError) as exc:  # charged once another worker answers
+        except OSError as exc:  # charged once another worker answers
             raise Failed(
                 "no_token", f"stream lost before its first token ({type(exc).__name__})"
             ) from None
@@ -164,7 +164,7 @@ class Relay:
         except TimeoutError:
             self.outcome = "timeout"
             yield sse_error(f"the worker sent nothing for {idle:g} s (the idle timeout)", "timeout")
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             self.outcome = "stream_error"
             state.breaker.on_failure(time.monotonic())
             log.warning(

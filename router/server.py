@@ -78,6 +78,7 @@ from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_field
 from .settings import RouterSettings
 from .sse import SSEWatch
 from .tries import Attempt, Tries
+from .upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,10 @@ class Router:
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
-        # To the workers (requests, health checks, scrapes): aiohttp's client costs a fifth of
-        # httpx's CPU per request, which was most of what the router added.
+        # To the workers: the generate requests on a client of our own (upstream.py), the
+        # rest (health checks, scrapes, pass-through) on aiohttp's, a fifth of httpx's cost.
         self.upstream: aiohttp.ClientSession | None = None
+        self.http: Upstream | None = None
         self.model_name = s.model_name
         self.pool: WorkerPool | None = None
         self.peers: Any = None  # the other router replicas (peers.PeerLink), if any
@@ -202,14 +204,16 @@ class Router:
         )
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
+        # vLLM started with --api-key wants it on /v1/* (its model list too)
+        auth = {"Authorization": f"Bearer {s.worker_api_key}"} if s.worker_api_key else None
         self.upstream = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60.0),
             timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s),
             auto_decompress=False,  # bodies are passed on as the worker sent them
             skip_auto_headers=("User-Agent",),
-            # vLLM started with --api-key wants it on /v1/* (its model list too)
-            headers={"Authorization": f"Bearer {s.worker_api_key}"} if s.worker_api_key else None,
+            headers=auth,
         )
+        self.http = Upstream(s.connect_timeout_s, keepalive_s=60.0, headers=auth)
         self.pool = WorkerPool(
             s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
         )
@@ -301,6 +305,8 @@ class Router:
             await self.pool.close()
         if self.peers is not None:
             await self.peers.close()
+        if self.http is not None:
+            await self.http.close()
         if self.upstream is not None:
             await self.upstream.close()
 
@@ -1074,7 +1080,7 @@ class Router:
             except TimeoutError:
                 state.breaker.on_failure(time.monotonic())
                 raise Failed("timeout", "no answer before the prefill timeout", 504) from None
-            except (aiohttp.ClientError, OSError) as exc:
+            except OSError as exc:
                 state.breaker.on_failure(time.monotonic())
                 raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
             finally:
@@ -1122,10 +1128,10 @@ class Router:
         *,
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
-    ) -> aiohttp.ClientResponse:
+    ) -> UpstreamResponse:
         """The worker's response with its headers read, or :class:`Failed` if this worker
         cannot answer it (and another may). ``body``: a split's leg, not the client's."""
-        assert self.upstream is not None
+        assert self.http is not None
         pool = self._pool()
         now = time.monotonic()
         sent = {"content-type": "application/json", "x-request-id": routed.request_id}
@@ -1134,23 +1140,21 @@ class Router:
             sent.update(headers)
         try:
             async with asyncio.timeout(max(deadline - now, 0.001)):
-                resp = await self.upstream.post(
-                    state.url + routed.path,
-                    data=routed.body if body is None else body,
-                    headers=sent,
+                resp = await self.http.post(
+                    state.url, routed.path, routed.body if body is None else body, sent
                 )
-        except aiohttp.ConnectionTimeoutError:  # perhaps only busy: the health check decides
+        except ConnectTimedOut:  # perhaps only busy: the health check decides
             state.breaker.on_failure(time.monotonic())
             raise Failed("connect", "connection timed out") from None
         except TimeoutError:
             state.breaker.on_failure(time.monotonic())
             reason = "ttft_timeout" if routed.stream else "timeout"
             raise Failed(reason, "no answer before the time limit", 504) from None
-        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens there any more
+        except ConnectFailed as exc:  # refused: nothing listens there any more
             state.breaker.on_failure(time.monotonic())
             pool.mark_down(state, f"connection failed: {exc.os_error}", dead=True)
             raise Failed("connect", "connection refused") from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             state.breaker.on_failure(time.monotonic())
             log.info("request %s: %s: %r", routed.request_id, state.id, exc)
             raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
@@ -1159,7 +1163,7 @@ class Router:
         # Retried elsewhere: the worker said nothing the client has seen yet.
         text = ""
         try:
-            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            with contextlib.suppress(OSError):  # TimeoutError too
                 async with asyncio.timeout(1.0):
                     text = (await resp.read()).decode(errors="replace")[:300]
         finally:
@@ -1175,7 +1179,7 @@ class Router:
         state: WorkerState,
         ticket: Ticket,
         routed: Routed,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         arrival: float,
         deadline: float,
         attempt: Attempt,
@@ -1222,7 +1226,7 @@ class Router:
             resp.close()
             state.breaker.on_failure(time.monotonic())
             raise Failed("timeout", "no answer before the request timeout", 504) from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:
             # Nothing has reached the client yet: another worker may answer it.
             resp.close()
             state.breaker.on_failure(time.monotonic())
