@@ -110,9 +110,7 @@ async def test_a_connection_is_kept_and_reused_for_the_next_request() -> None:
     await client.close()
 
 
-async def test_an_answer_left_unread_closes_its_connection_and_the_next_request_opens_one() -> (
-    None
-):
+async def test_an_answer_left_unread_closes_its_connection_and_the_next_request_opens_one() -> None:
     client = Upstream(connect_timeout_s=2.0)
     async with raw_server(keep_answering) as srv:
         resp = await client.post(srv.url, "/v1/completions", b"x" * 100, {})
@@ -247,9 +245,7 @@ async def test_an_answer_cut_short_is_an_error_not_a_short_body() -> None:
     await client.close()
 
 
-async def test_a_worker_that_closes_before_answering_or_speaks_no_http_fails_the_request() -> (
-    None
-):
+async def test_a_worker_that_closes_before_answering_or_speaks_no_http_fails_the_request() -> None:
     def garbage(srv: RawServer) -> Handler:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             body = await srv.read_request(reader)
