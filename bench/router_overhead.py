@@ -4,10 +4,12 @@ routing decision time, beside the SGLang router (``cache_aware``) in the same ru
 **Added latency and highest rate.** Four zero-latency workers (a stub in this file: it
 answers ``/v1/completions`` at once, streamed or not, and the endpoints both routers probe)
 serve the same open-loop load (Poisson arrivals, the same requests at the same times) sent
-three ways: straight to the workers (the baseline), through ``kvpool router serve`` and
-through ``sglang-router launch --policy cache_aware``. Added latency is a router's client
+four ways: straight to the workers (the baseline), through a bare Python proxy (uvicorn and
+kvpool's client to the workers, nothing else: the floor under any router built like
+kvpool's), through ``kvpool router serve`` and through ``sglang-router launch --policy
+cache_aware``. Added latency is a router's client
 latency less the baseline's, at 200 requests/s, non-streamed (and streamed: time to the
-first body byte), over several rounds that take the three in turn. The highest sustained
+first body byte), over several rounds that take the four in turn. The highest sustained
 rate comes from a ramp of the offered load: a step is sustained when 95% of its requests
 complete within the step and their p99 stays under ``--p99-limit-ms``.
 
@@ -63,6 +65,9 @@ SGLANG = [sys.executable, "-m", "sglang_router.launch_router"]
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny-model"
+
+#: part one's targets, taken in turn each round: the baseline, the floor, the two routers
+TARGETS = ("direct", "bare", "kvpool", "sglang")
 
 GOAL_ADDED_P50_MS = 1.0
 GOAL_ADDED_P99_MS = 5.0
@@ -203,6 +208,67 @@ def serve_stub_workers(base_port: int, count: int) -> None:
 
 
 # -- the load generator -----------------------------------------------------------------------
+
+
+def serve_bare_proxy(port: int, workers: list[str]) -> None:
+    """The floor under any router built like kvpool's: uvicorn (uvloop, httptools) and an
+    ASGI app that passes each request to the next worker in turn with kvpool's own client
+    to the workers (``router/upstream.py``), and the answer back, streamed or whole. No
+    parsing, tokenizing, hashing, admission, policy, metrics or retries: what is left of a
+    router's cost per request when all of that costs nothing."""
+    import uvicorn
+
+    from kvpool.router.upstream import Upstream
+
+    client: Upstream | None = None
+    turn = 0
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal client, turn
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if client is None:
+            client = Upstream(connect_timeout_s=2.0)
+        turn += 1
+        resp = await client.post(
+            workers[turn % len(workers)], scope["path"], body, {"content-type": "application/json"}
+        )
+        kind = resp.headers.get("content-type", "application/json").encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [(b"content-type", kind)],
+            }
+        )
+        async for chunk in resp.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        resp.release()
+
+    uvicorn.run(
+        app,
+        host=HOST,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+    )
 
 
 class _Request:
@@ -573,6 +639,17 @@ def start_router(
             return len(up) == processes and all(n == len(workers) for n in up.values())
 
         label = "kvpool router"
+    elif name == "bare":
+        proc = start(
+            [sys.executable, ME, "--bare-proxy", str(port), ",".join(workers)],
+            cpus,
+            logs / "bare-proxy.log",
+        )
+
+        def ready() -> bool:
+            return get(url + "/health")[0] == 200
+
+        label = "bare Python proxy"
     else:
         metrics_port = free_ports(1)
         argv = [*SGLANG, "--host", HOST, "--port", str(port), "--policy", "cache_aware"]
@@ -748,13 +825,13 @@ async def part_one(
     }
 
     stub, ports, workers = start_stubs(args.workers, load_cpus, logs / "stub-workers.log")
-    results: dict[str, dict[str, Any]] = {"direct": {}, "kvpool": {}, "sglang": {}}
+    results: dict[str, dict[str, Any]] = {name: {} for name in TARGETS}
     try:
         for url in workers:
             wait_until(lambda url=url: get(url + "/health")[0] == 200, stub, "the stub workers")
         for round_ in range(args.rounds):
             last = round_ == args.rounds - 1
-            for name in ("direct", "kvpool", "sglang"):
+            for name in TARGETS:
                 if name == "direct":
                     target = Target("direct", "straight to the workers", ports)
                 else:
@@ -1147,7 +1224,7 @@ def pooled(rounds: dict[int, dict[str, Any]], mix: str) -> Phase:
 def figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     direct = results["direct"]
-    for name in ("direct", "kvpool", "sglang"):
+    for name in TARGETS:
         f: dict[str, Any] = {}
         for mix, which in (("main", "latency"), ("stream", "ttft"), ("short", "latency")):
             mine = pooled(results[name], mix)
@@ -1238,7 +1315,7 @@ def render_long(long: dict[str, Any], args: argparse.Namespace) -> list[str]:
 def render(
     fig: dict[str, Any], decision: dict[str, Any], setup: dict[str, Any], args: argparse.Namespace
 ) -> tuple[str, dict[str, bool]]:
-    kv, sg, di = fig["kvpool"], fig["sglang"], fig["direct"]
+    kv, sg, di, ba = fig["kvpool"], fig["sglang"], fig["direct"], fig["bare"]
 
     def added(f: dict[str, Any], mix: str, tag: str) -> str:
         lo, hi = f[f"{mix}_added_{tag}_ms_range"]
@@ -1256,24 +1333,29 @@ def render(
     rig = di["max_rps"]
     sg_rate = f"{sg['max_rps']:,.0f}" + (" (the rig's ceiling)" if sg["max_rps"] >= rig else "")
     tokens = setup["prompt_tokens_mean"]
+    cpu_ba = ba["main_cpu_ms_per_request"]["router"]
     rows = [
-        "| at 200 req/s unless said | straight to the workers | kvpool router "
-        "| SGLang router (cache_aware) | kvpool / SGLang |",
-        "|---|---:|---:|---:|---:|",
+        "| at 200 req/s unless said | straight to the workers | bare Python proxy (floor) "
+        "| kvpool router | SGLang router (cache_aware) | kvpool / SGLang |",
+        "|---|---:|---:|---:|---:|---:|",
         f"| latency p50 / p99, ms (~{tokens:.0f}-token prompts) | {pair(di, 'main')} "
-        f"| {pair(kv, 'main')} | {pair(sg, 'main')} | |",
-        f"| **added p50, ms** | - | {added(kv, 'main', 'p50')} | {added(sg, 'main', 'p50')} "
+        f"| {pair(ba, 'main')} | {pair(kv, 'main')} | {pair(sg, 'main')} | |",
+        f"| **added p50, ms** | - | {added(ba, 'main', 'p50')} | {added(kv, 'main', 'p50')} "
+        f"| {added(sg, 'main', 'p50')} "
         f"| {_ratio(kv['main_added_p50_ms'], sg['main_added_p50_ms'])} |",
-        f"| **added p99, ms** | - | {added(kv, 'main', 'p99')} | {added(sg, 'main', 'p99')} "
+        f"| **added p99, ms** | - | {added(ba, 'main', 'p99')} | {added(kv, 'main', 'p99')} "
+        f"| {added(sg, 'main', 'p99')} "
         f"| {_ratio(kv['main_added_p99_ms'], sg['main_added_p99_ms'])} |",
-        f"| streamed, first byte: added p50 / p99, ms | - | {pair_added(kv, 'stream')} "
-        f"| {pair_added(sg, 'stream')} | |",
+        f"| streamed, first byte: added p50 / p99, ms | - | {pair_added(ba, 'stream')} "
+        f"| {pair_added(kv, 'stream')} | {pair_added(sg, 'stream')} | |",
         f"| ~{setup['short_prompt_tokens_mean']:.0f}-token prompts: added p50 / p99, ms | - "
-        f"| {pair_added(kv, 'short')} | {pair_added(sg, 'short')} | |",
-        f"| router CPU per request, ms | - | {cpu_kv:.3f} | {cpu_sg:.3f} "
+        f"| {pair_added(ba, 'short')} | {pair_added(kv, 'short')} | {pair_added(sg, 'short')} "
+        "| |",
+        f"| router CPU per request, ms | - | {cpu_ba:.3f} | {cpu_kv:.3f} | {cpu_sg:.3f} "
         f"| {_ratio(cpu_kv, cpu_sg)} |",
         f"| **highest sustained rate, req/s** | {rig:,.0f} (the rig's ceiling) "
-        f"| {kv['max_rps']:,.0f} | {sg_rate} | {kv['max_rps'] / sg['max_rps']:.2f}x |",
+        f"| {ba['max_rps']:,.0f} | {kv['max_rps']:,.0f} | {sg_rate} "
+        f"| {kv['max_rps'] / sg['max_rps']:.2f}x |",
     ]
     d = decision
     drows = [
@@ -1377,10 +1459,10 @@ def render(
         f"{args.max_tokens}, prompts of one of 16 shared system prompts and a question of "
         f"their own (~{tokens:.0f} tokens with the tiny model's tokenizer, "
         f"~{setup['prompt_chars_mean']:.0f} characters); Poisson arrivals, the same requests "
-        f"at the same times for all three. Latency: from writing the request to the last byte "
+        f"at the same times for all four. Latency: from writing the request to the last byte "
         f"of the answer (streamed: to the first body byte), at the client; added = the "
         f"router's quantile minus the baseline's in the same round, the median of "
-        f"{args.rounds} round(s) of {args.phase_s:g} s per target, the three taken in "
+        f"{args.rounds} round(s) of {args.phase_s:g} s per target, the four taken in "
         f"turn{spread}.{nagle} Highest "
         f"sustained rate: offered load raised 1.5x a step ({args.step_s:g} s each, a failed "
         f"step tried twice, then the gap halved twice) while 95% of a step's requests complete "
@@ -1437,6 +1519,7 @@ def plot(results: dict[str, dict[str, Any]], fig: dict[str, Any], path: Path, li
     import matplotlib.pyplot as plt
 
     labels = {"direct": "straight to the workers", "kvpool": "kvpool router"}
+    labels["bare"] = "bare Python proxy (floor)"
     labels["sglang"] = "SGLang router (cache_aware)"
     figure, (cdf, ramp) = plt.subplots(1, 2, figsize=(12, 4.4))
     for name, label in labels.items():
@@ -1568,6 +1651,9 @@ def main() -> int:
         "max_rps_1proc_all_cores": setup["cores_all"]["kvpool_1proc"]["max_rps"],
         "sglang_max_rps_all_cores": setup["cores_all"]["sglang"]["max_rps"],
         "router_cpu_ms_per_request": kv["main_cpu_ms_per_request"]["router"],
+        "bare_proxy_cpu_ms_per_request": fig["bare"]["main_cpu_ms_per_request"]["router"],
+        "bare_proxy_max_rps": fig["bare"]["max_rps"],
+        "bare_proxy_added_p50_ms": fig["bare"]["main_added_p50_ms"],
         "sglang_cpu_ms_per_request": sg["main_cpu_ms_per_request"]["router"],
         "long_prompt_added_ttft_ms": setup["long"]["kvpool"]["added_ttft_ms"],
         "sglang_long_prompt_added_ttft_ms": setup["long"]["sglang"]["added_ttft_ms"],
@@ -1594,5 +1680,8 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--stub-workers":
         serve_stub_workers(int(sys.argv[2]), int(sys.argv[3]))
+        sys.exit(0)
+    if len(sys.argv) == 4 and sys.argv[1] == "--bare-proxy":
+        serve_bare_proxy(int(sys.argv[2]), sys.argv[3].split(","))
         sys.exit(0)
     sys.exit(main())

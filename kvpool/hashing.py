@@ -132,7 +132,8 @@ class BlockHasher:
     ) -> list[bytes]:
         """Digests of every full block of ``token_ids``; a partial tail block is not hashed."""
         size = self.block_size
-        tokens = list(token_ids)
+        # a list is sliced as it is: copying a long prompt's ids first cost as much again
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
         digests: list[bytes] = []
         parent = self.root
         for index, start in enumerate(range(0, len(tokens) - size + 1, size)):

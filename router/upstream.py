@@ -342,11 +342,13 @@ class Upstream:
             if "\n" in value or "\r" in value:  # never from an HTTP parser: not sent
                 continue
             lines += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
-        lines += (b"\r\n", body)
+        lines.append(b"\r\n")
         conn = await self._connection(address)
         resp = conn.response = UpstreamResponse(conn)
         assert conn.transport is not None
-        conn.transport.write(b"".join(lines))
+        # the head and the body as they are (a long prompt's body is not copied into one
+        # buffer with the head), in one system call
+        conn.transport.writelines((b"".join(lines), body))
         try:
             await resp._headers()
         except BaseException:
