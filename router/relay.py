@@ -120,7 +120,8 @@ class Relay:
             return
         self.closed = True
         if self.outcome == "success":
-            self.resp.release()  # read to its end: the connection is kept
+            # read to its last event: the connection is kept once the body's end comes
+            self.resp.release()
         else:  # closed mid-answer: the worker sees it and aborts the request
             self.resp.close()
         self.state.end(self.ticket)

@@ -213,7 +213,7 @@ class Router:
             skip_auto_headers=("User-Agent",),
             headers=auth,
         )
-        self.http = Upstream(s.connect_timeout_s, keepalive_s=60.0, headers=auth)
+        self.http = Upstream(s.connect_timeout_s, headers=auth)
         self.pool = WorkerPool(
             s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
         )
@@ -1155,7 +1155,8 @@ class Router:
             pool.mark_down(state, f"connection failed: {exc.os_error}", dead=True)
             raise Failed("connect", "connection refused") from None
         except OSError as exc:
-            state.breaker.on_failure(time.monotonic())
+            if not self.http.closed:  # at shutdown it is the router's doing, not the worker's
+                state.breaker.on_failure(time.monotonic())
             log.info("request %s: %s: %r", routed.request_id, state.id, exc)
             raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
         if resp.status < 500 and resp.status != 429:

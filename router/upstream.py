@@ -8,12 +8,15 @@ idle connections per worker address, writes the request head and body in one ``w
 and parses the answer with httptools (the C parser uvicorn uses; the ``router`` extra
 brings it), handing the body on as it arrives.
 
-* **Connections.** Kept alive and reused most recent first; one the worker closed is never
-  reused (its ``connection_lost`` has already run), and one idle past ``keepalive_s`` is
-  closed when next looked at. A response is released to the pool only when it was read to
-  its end and the worker did not ask to close; a response abandoned midway closes its
-  connection, which is how a worker learns that the client left (it aborts the request and
-  frees its blocks).
+* **Connections.** Kept alive and reused most recent first, for ``keepalive_s`` (4 s: less
+  than the 5 s after which uvicorn, so vLLM and kvpool workers, close an idle one). One the
+  worker closed is never reused; one it was closing as it was reused (its close and the
+  request crossed) fails before any byte of an answer, and the request is sent once more on
+  a new connection, which is what browsers do for the same race. A response goes back to
+  the pool once read to its end (a stream released at its last event waits up to
+  ``DRAIN_S`` for the chunked body's terminator), unless the worker asked to close; one
+  abandoned midway, or dropped unreleased, closes its connection, which is how a worker
+  learns that the client left (it aborts the request and frees its blocks).
 * **Back-pressure.** A streamed body is buffered up to ``HIGH_WATER`` bytes; past that the
   socket stops being read until the reader catches up.
 * **Errors** are all :class:`OSError`, so one ``except OSError`` covers a worker that fails:
@@ -29,12 +32,15 @@ they are not on the request path, and they want its conveniences more than its s
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
+import logging
 import ssl
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
 
@@ -46,8 +52,12 @@ __all__ = [
     "UpstreamResponse",
 ]
 
+log = logging.getLogger(__name__)
+
 #: bytes of a streamed body buffered before the socket stops being read
 HIGH_WATER = 256 * 1024
+#: seconds a released stream's connection waits for the rest of its body (the terminator)
+DRAIN_S = 1.0
 
 
 class UpstreamClosed(ConnectionError):
@@ -68,9 +78,10 @@ class ConnectTimedOut(ConnectionError):
 
 
 class _Address:
-    """Where a worker URL points: the connection's key and the request target's prefix."""
+    """Where a worker URL points: the connection's key, the request target's prefix, the
+    Host header, and the credentials the URL carries (sent as Basic auth, as aiohttp did)."""
 
-    __slots__ = ("host", "host_header", "port", "prefix", "tls")
+    __slots__ = ("auth", "host", "host_header", "key", "port", "prefix", "tls")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -79,12 +90,27 @@ class _Address:
         self.tls = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.tls else 80)
-        self.prefix = parts.path.rstrip("/")
-        self.host_header = parts.netloc.encode("idna")
+        self.key = (self.host, self.port, self.tls)
+        self.prefix = parts.path.rstrip("/").encode("latin-1")
+        name = f"[{self.host}]" if ":" in self.host else self.host
+        host = name if parts.port is None else f"{name}:{parts.port}"
+        self.host_header = host.encode("idna")
+        self.auth: bytes | None = None
+        if parts.username is not None:
+            secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self.auth = b"Basic " + base64.b64encode(secret.encode())
+
+
+def _line(name: str, value: str) -> bytes:
+    """``name: value`` as sent, or ValueError for what HTTP cannot carry."""
+    if any(c in name for c in "\r\n:\0 ") or any(c in value for c in "\r\n\0"):
+        raise ValueError(f"header {name!r} has a line break or a character it cannot have")
+    return name.lower().encode("latin-1") + b": " + value.encode("latin-1") + b"\r\n"
 
 
 class _Connection(asyncio.Protocol):
-    """One kept-alive connection; carries one response at a time."""
+    """One kept-alive connection; carries one response at a time. It holds that response
+    weakly: a response dropped unreleased closes the connection."""
 
     def __init__(self, owner: Upstream, key: tuple[str, int, bool]) -> None:
         self.owner = owner
@@ -92,19 +118,36 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.idle_since = 0.0
-        self.response: UpstreamResponse | None = None
+        self.received = False  # a byte of the current answer came
+        self._response: weakref.ref[UpstreamResponse] | None = None
+        #: a released stream whose body's end is still to come (held until it does)
+        self.draining: UpstreamResponse | None = None
+        self._drain_timer: asyncio.TimerHandle | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self._header_name = b""
+
+    @property
+    def response(self) -> UpstreamResponse | None:
+        if self.draining is not None:
+            return self.draining
+        return self._response() if self._response is not None else None
+
+    def start(self, resp: UpstreamResponse) -> None:
+        self._response = weakref.ref(resp)
+        self.received = False
 
     # -- the socket's side ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.owner._open.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.response is None:  # nothing asked: a worker that talks out of turn
+        resp = self.response
+        # nothing asked, or more after a whole answer: a worker that talks out of turn
+        if resp is None or resp.complete:
             self._abort()
             return
+        self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -118,6 +161,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.owner._forget(self)
+        self._stop_draining()
         resp = self.response
         if resp is not None and not resp.complete:
             if resp.headers_done and resp.until_eof and exc is None:
@@ -126,17 +170,17 @@ class _Connection(asyncio.Protocol):
                 why = f" ({type(exc).__name__})" if exc is not None else ""
                 self._fail(UpstreamClosed(f"the worker closed the connection{why}"))
 
-    def pause_writing(self) -> None:  # the head and body are written once, whole
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- httptools' callbacks ---------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        resp = self.response
+        if resp is not None and resp.complete:  # a second answer to one request: stop here
+            raise UpstreamClosed("the worker answered twice")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.response is not None
-        self.response._raw_headers.append((name.lower(), value))
+        resp = self.response
+        assert resp is not None
+        resp._raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         resp = self.response
@@ -144,19 +188,39 @@ class _Connection(asyncio.Protocol):
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim answer: the real one follows
             resp._raw_headers.clear()
-            return
-        resp._headers_complete(status, self.parser.should_keep_alive())
+        else:
+            resp._headers_complete(status, self.parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        assert self.response is not None
-        self.response._feed(body)
+        if self.draining is not None:  # more than the end of a stream released at its end
+            self._abort()
+            return
+        resp = self.response
+        assert resp is not None
+        resp._feed(body)
 
     def on_message_complete(self) -> None:
         resp = self.response
-        if resp is not None and resp.headers_done:
-            resp._finish()
+        if resp is None or not resp.headers_done:
+            return
+        resp._finish()
+        if self.draining is not None:
+            self._stop_draining()
+            self.owner._keep(self)
 
     # -- ours -----------------------------------------------------------------------------
+
+    def drain(self, resp: UpstreamResponse) -> None:
+        """Keep the connection once the rest of ``resp`` (only its end) has come."""
+        self.draining = resp
+        self._response = None
+        self._drain_timer = asyncio.get_running_loop().call_later(DRAIN_S, self._abort)
+
+    def _stop_draining(self) -> None:
+        self.draining = None
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
 
     def _fail(self, exc: BaseException) -> None:
         resp = self.response
@@ -166,6 +230,7 @@ class _Connection(asyncio.Protocol):
 
     def _abort(self) -> None:
         self.lost = True
+        self._stop_draining()
         if self.transport is not None:
             self.transport.abort()
 
@@ -191,6 +256,11 @@ class UpstreamResponse:
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._released = False
+        conn.start(self)
+
+    def __del__(self) -> None:
+        if not self._released:  # dropped unreleased: nobody reads it, so the worker stops
+            self._conn._abort()
 
     # -- fed by the connection ------------------------------------------------------------
 
@@ -273,14 +343,18 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if the body was read
-        to its end and the worker keeps it open, and is closed otherwise."""
+        to its end (or all of it but its end, which is waited for) and the worker keeps it
+        open; it is closed otherwise."""
         if self._released:
             return
         self._released = True
         conn = self._conn
-        conn.response = None
-        if self.complete and not self._chunks and self.keep_alive and not conn.lost:
+        reusable = self.keep_alive and not conn.lost and not self._chunks
+        if reusable and self.complete:
+            conn._response = None
             conn.owner._keep(conn)
+        elif reusable and self.headers_done and not self.until_eof and self._exc is None:
+            conn.drain(self)  # a stream read to its last event: its terminator is coming
         else:
             conn._abort()
 
@@ -289,27 +363,29 @@ class UpstreamResponse:
         if self._released:
             return
         self._released = True
-        self._conn.response = None
         self._conn._abort()
 
 
 class Upstream:
-    """Keep-alive HTTP/1.1 connections to the workers, for the generate requests."""
+    """Keep-alive HTTP/1.1 connections to the workers, for the generate requests.
+    ``headers`` go with every request (the workers' API key); a request's own headers of
+    the same name replace them."""
 
     def __init__(
         self,
         connect_timeout_s: float,
-        keepalive_s: float = 60.0,
+        keepalive_s: float = 4.0,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
-        #: sent with every request (the workers' API key)
-        self.headers = dict(headers or {})
         self.keepalive_s = keepalive_s
+        # checked and encoded once: a key with a line break is refused at start-up
+        self._defaults = {k.lower(): _line(k, v) for k, v in (headers or {}).items()}
         self._pools: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._addresses: dict[str, _Address] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._swept = time.monotonic()
         self.closed = False
 
     def _address(self, url: str) -> _Address:
@@ -320,45 +396,63 @@ class Upstream:
             address = self._addresses[url] = _Address(url)
         return address
 
+    def _head(self, address: _Address, path: str, size: int, headers: dict[str, str]) -> bytes:
+        lines = dict(self._defaults)
+        if address.auth is not None and "authorization" not in lines:
+            lines["authorization"] = b"authorization: " + address.auth + b"\r\n"
+        for name, value in headers.items():
+            try:
+                lines[name.lower()] = _line(name, value)
+            except (ValueError, UnicodeEncodeError) as exc:  # no HTTP parser gives one
+                log.warning("header %r not sent to the worker: %s", name, exc)
+        return b"".join(
+            (
+                b"POST ",
+                address.prefix,
+                path.encode("latin-1"),
+                b" HTTP/1.1\r\nhost: ",
+                address.host_header,
+                b"\r\ncontent-length: ",
+                str(size).encode(),
+                b"\r\n",
+                *lines.values(),
+                b"\r\n",
+            )
+        )
+
     async def post(
         self, url: str, path: str, body: bytes, headers: dict[str, str]
     ) -> UpstreamResponse:
         """POST ``body`` to ``url`` + ``path``; the answer once its status and headers are
-        in. ``headers`` come after the client's own (:attr:`headers`); a value of more than
-        one line is not sent (no HTTP server's parser gives one)."""
+        in."""
+        address = self._address(url)
+        head = self._head(address, path, len(body), headers)
+        conn, reused = await self._connection(address, reuse=True)
+        while True:
+            resp = UpstreamResponse(conn)
+            assert conn.transport is not None
+            # the head and the body as they are (a long prompt's body is not copied into
+            # one buffer with the head), in one system call
+            conn.transport.writelines((head, body))
+            try:
+                await resp._headers()
+            except UpstreamClosed:
+                resp.close()
+                if not reused or conn.received:
+                    raise
+                # the worker was closing it as it was reused: once more, on a new one
+                conn, reused = await self._connection(address, reuse=False)
+                continue
+            except BaseException:
+                resp.close()
+                raise
+            return resp
+
+    async def _connection(self, address: _Address, reuse: bool) -> tuple[_Connection, bool]:
+        """A connection to ``address``, and whether it was kept from an earlier answer."""
         if self.closed:
             raise UpstreamClosed("the router is shutting down")
-        address = self._address(url)
-        lines = [
-            b"POST ",
-            (address.prefix + path).encode("latin-1"),
-            b" HTTP/1.1\r\nhost: ",
-            address.host_header,
-            b"\r\ncontent-length: ",
-            str(len(body)).encode(),
-            b"\r\n",
-        ]
-        for name, value in (*self.headers.items(), *headers.items()):
-            if "\n" in value or "\r" in value:  # never from an HTTP parser: not sent
-                continue
-            lines += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
-        lines.append(b"\r\n")
-        conn = await self._connection(address)
-        resp = conn.response = UpstreamResponse(conn)
-        assert conn.transport is not None
-        # the head and the body as they are (a long prompt's body is not copied into one
-        # buffer with the head), in one system call
-        conn.transport.writelines((b"".join(lines), body))
-        try:
-            await resp._headers()
-        except BaseException:
-            resp.close()
-            raise
-        return resp
-
-    async def _connection(self, address: _Address) -> _Connection:
-        key = (address.host, address.port, address.tls)
-        idle = self._pools.get(key)
+        idle = self._pools.get(address.key) if reuse else None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -367,7 +461,7 @@ class Upstream:
             if now - conn.idle_since > self.keepalive_s:
                 conn._abort()
                 continue
-            return conn
+            return conn, True
         loop = asyncio.get_running_loop()
         tls: dict[str, Any] = {}
         if address.tls:
@@ -377,7 +471,7 @@ class Upstream:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(self, key), address.host, address.port, **tls
+                    lambda: _Connection(self, address.key), address.host, address.port, **tls
                 )
         except TimeoutError:
             raise ConnectTimedOut(
@@ -388,18 +482,37 @@ class Upstream:
             raise ConnectFailed(
                 f"cannot connect to {address.host}:{address.port}: {exc}", exc
             ) from None
-        self._open.add(conn)
-        return conn
+        if self.closed:  # closed while connecting
+            conn._abort()
+            raise UpstreamClosed("the router is shutting down")
+        return conn, False
 
     def _keep(self, conn: _Connection) -> None:
         if self.closed:
             conn._abort()
             return
-        conn.idle_since = time.monotonic()
+        now = conn.idle_since = time.monotonic()
         self._pools.setdefault(conn.key, []).append(conn)
+        if now - self._swept > self.keepalive_s:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close what has been idle too long, everywhere (workers that left included)."""
+        self._swept = now
+        for key, conns in list(self._pools.items()):
+            for conn in conns:
+                if now - conn.idle_since > self.keepalive_s:
+                    conn._abort()  # its connection_lost takes it off the list
+            if not self._pools.get(key):
+                self._pools.pop(key, None)
 
     def _forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
+        conns = self._pools.get(conn.key)
+        if conns and conn in conns:
+            conns.remove(conn)
+            if not conns:
+                del self._pools[conn.key]
 
     def idle_connections(self) -> int:
         """Connections kept for reuse now (those the workers have not closed)."""

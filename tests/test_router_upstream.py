@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -19,6 +20,7 @@ from kvpool.router.upstream import (
     ConnectTimedOut,
     Upstream,
     UpstreamClosed,
+    _Address,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -155,6 +157,7 @@ async def test_connection_close_from_the_worker_is_honoured() -> None:
             writer.write(answer(body, b"connection: close\r\n"))
             await writer.drain()
             await reader.read()  # open until the client closes it
+            srv.closed_by_peer.set()
 
         return handler
 
@@ -164,6 +167,7 @@ async def test_connection_close_from_the_worker_is_honoured() -> None:
         assert await resp.read() == b"1"
         resp.release()
         assert client.idle_connections() == 0
+        await asyncio.wait_for(srv.closed_by_peer.wait(), 5)  # closed, not leaked
     await client.close()
 
 
@@ -197,7 +201,7 @@ async def test_a_chunked_stream_is_handed_on_as_it_arrives() -> None:
 
 
 async def test_a_stream_nobody_reads_stops_being_read_from_the_socket() -> None:
-    total = 64 * HIGH_WATER  # far more than the client buffers, or the socket holds
+    total = 256 * HIGH_WATER  # 64 MiB: far more than the client buffers, or the sockets hold
     sent = 0
 
     def flooding(srv: RawServer) -> Handler:
@@ -217,7 +221,9 @@ async def test_a_stream_nobody_reads_stops_being_read_from_the_socket() -> None:
     async with raw_server(flooding) as srv:
         resp = await client.post(srv.url, "/a", b"{}", {})
         await asyncio.sleep(0.5)
-        assert sent < total // 2  # the worker is held back: the router does not buffer it all
+        assert sent < total  # the worker is held back
+        # and the router holds at most its high-water mark and one read more
+        assert resp._paused and resp._buffered <= HIGH_WATER + 512 * 1024
         got = 0
         async for chunk in resp.iter_any():  # a reader that keeps up gets it all
             got += len(chunk)
@@ -292,4 +298,178 @@ async def test_a_refused_connection_and_one_never_accepted_are_told_apart() -> N
         finally:
             for f in fillers:
                 f.close()
+    await client.close()
+
+
+async def test_an_answer_released_unread_closes_its_connection() -> None:
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(keep_answering) as srv:
+        resp = await client.post(srv.url, "/v1/completions", b"x" * 100, {})
+        resp.release()  # its body never read: the connection cannot carry another answer
+        await asyncio.wait_for(srv.closed_by_peer.wait(), 5)
+        assert client.idle_connections() == 0
+    await client.close()
+
+
+async def test_an_answer_dropped_unreleased_closes_its_connection() -> None:
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(keep_answering) as srv:
+        resp = await client.post(srv.url, "/v1/completions", b"x" * 100, {})
+        del resp
+        gc.collect()
+        await asyncio.wait_for(srv.closed_by_peer.wait(), 5)
+    await client.close()
+
+
+async def test_a_request_cancelled_before_the_answer_closes_its_connection() -> None:
+    def silent(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            if await reader.read() == b"":  # nothing more comes: the router closed it
+                srv.closed_by_peer.set()
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(silent) as srv:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):  # the router's own deadline
+                await client.post(srv.url, "/a", b"{}", {})
+        await asyncio.wait_for(srv.closed_by_peer.wait(), 5)  # the worker can abort
+    await client.close()
+
+
+async def test_a_kept_connection_the_worker_closes_as_it_is_reused_is_retried_on_a_new_one() -> (
+    None
+):
+    def closing_on_reuse(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            body = await srv.read_request(reader)
+            writer.write(answer(body))
+            await writer.drain()
+            await srv.read_request(reader)  # its keep-alive ran out just as this came
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(closing_on_reuse) as srv:
+        for body in (b"1", b"2"):
+            resp = await client.post(srv.url, "/a", body, {})
+            assert await resp.read() == body
+            resp.release()
+        assert srv.connections == 2
+        assert len(srv.requests) == 3  # the second request twice: on the old, then a new one
+    await client.close()
+
+
+async def test_a_connection_idle_past_the_keep_alive_is_not_reused() -> None:
+    client = Upstream(connect_timeout_s=2.0, keepalive_s=0.05)
+    async with raw_server(keep_answering) as srv:
+        for body in (b"1", b"2"):
+            resp = await client.post(srv.url, "/a", body, {})
+            assert await resp.read() == body
+            resp.release()
+            await asyncio.sleep(0.1)
+        assert srv.connections == 2
+        await asyncio.wait_for(srv.closed_by_peer.wait(), 5)  # the stale one was closed
+    await client.close()
+
+
+async def test_a_stream_released_at_its_last_event_keeps_its_connection_for_the_next() -> None:
+    def sse(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    await srv.read_request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(b"e\r\ndata: [DONE]\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the terminator comes in a write of its own
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(sse) as srv:
+        for _ in range(2):
+            resp = await client.post(srv.url, "/v1/completions", b"{}", {})
+            assert await anext(resp.iter_any()) == b"data: [DONE]\n\n"
+            assert not resp.complete
+            resp.release()  # the relay stops at [DONE]
+            for _ in range(100):
+                if client.idle_connections():
+                    break
+                await asyncio.sleep(0.01)
+        assert srv.connections == 1
+    await client.close()
+
+
+async def test_bytes_after_a_whole_answer_close_the_connection() -> None:
+    def chatty(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            body = await srv.read_request(reader)
+            writer.write(answer(body) + answer(b"unasked"))
+            await writer.drain()
+            await reader.read()
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(chatty) as srv:
+        resp = await client.post(srv.url, "/a", b"1", {})
+        assert await resp.read() == b"1"  # the answer asked for, and nothing of the other
+        resp.release()
+        resp = await client.post(srv.url, "/a", b"2", {})
+        assert await resp.read() == b"2"
+        resp.release()
+        assert srv.connections == 2
+    await client.close()
+
+
+async def test_interim_answers_and_a_body_ended_by_the_connection_are_read() -> None:
+    def old_style(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await srv.read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nx-kind: eof\r\n\r\nuntil ")
+            await writer.drain()
+            writer.write(b"the end")
+            await writer.drain()
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(old_style) as srv:
+        resp = await client.post(srv.url, "/a", b"{}", {})
+        assert resp.status == 200 and resp.headers["x-kind"] == "eof"
+        assert await resp.read() == b"until the end"
+        resp.release()
+        assert client.idle_connections() == 0
+    await client.close()
+
+
+async def test_the_request_line_and_headers_are_what_the_worker_url_says() -> None:
+    v6 = _Address("http://[::1]:8000/base/")
+    assert v6.host_header == b"[::1]:8000" and v6.key == ("::1", 8000, False)
+    assert v6.prefix == b"/base"
+    tls = _Address("https://user:p%40ss@worker.example")
+    assert tls.host_header == b"worker.example" and tls.key == ("worker.example", 443, True)
+    assert tls.auth == b"Basic dXNlcjpwQHNz"  # user:p@ss, as aiohttp sent it
+    with pytest.raises(ValueError, match="line break"):
+        Upstream(connect_timeout_s=1.0, headers={"Authorization": "Bearer key\n"})
+
+    client = Upstream(connect_timeout_s=2.0, headers={"Authorization": "Bearer pool"})
+    async with raw_server(keep_answering) as srv:
+        headers = {"authorization": "Bearer mine", "x-bad": "a\r\nx-injected: 1"}
+        resp = await client.post(srv.url + "/prefix", "/v1/completions", b"{}", headers)
+        assert await resp.read() == b"{}"
+        resp.release()
+        sent = srv.requests[0].lower()
+        assert sent.startswith(b"post /prefix/v1/completions http/1.1\r\n")
+        assert b"authorization: bearer mine\r\n" in sent  # the request's own replaces it
+        assert b"bearer pool" not in sent
+        assert b"x-injected" not in sent and b"x-bad" not in sent
     await client.close()
