@@ -10,7 +10,11 @@ worker's KV events say where it went. So each replica publishes the facts it alo
   them every :data:`HEARTBEAT_S`;
 * **its speculative index entries**: the block keys it just sent to a worker, which every
   replica counts as held there (for the same short time, until the worker's own KV events
-  confirm or the time runs out), as the sender itself does.
+  confirm or the time runs out), as the sender itself does;
+* **where it sent a conversation**: a session key's worker (a soft score) and a stored
+  response's worker (a hard pin: ``previous_response_id`` continues only where the response
+  is stored), so that a conversation's next turn finds its worker whichever replica or
+  process it reaches. Keys travel as the client sent them, over the pool's own link.
 
 The workers stay the owners of what they hold and of their own queues (KV events, scraped
 gauges); the replicas share only what each has in flight, which is what the workers'
@@ -58,15 +62,19 @@ ROW_TTL_S = 3.0
 _TAG = 16  # bytes of the message's tag
 
 
-class Load(msgspec.Struct, tag="load", array_like=True):
-    """A replica's rows: worker id -> (requests in flight, prompt tokens queued), and the
-    chains of blocks it just sent: (worker, data-parallel rank, block keys)."""
+class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
+    """A replica's rows: worker id -> (requests in flight, prompt tokens queued), the
+    chains of blocks it just sent: (worker, data-parallel rank, block keys), and the
+    conversations it just placed: (table, key, worker), table ``session`` or ``response``.
+    Fields left at their defaults are not sent: a replica of the release before a field
+    was added still reads every message that does not carry it."""
 
     sender: str
     rows: dict[str, tuple[int, int]]
     #: every row the sender has: a worker it no longer names has none of its load
     full: bool = False
     chains: list[tuple[str, int | None, list[int]]] = []
+    pins: list[tuple[str, str, str]] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -78,7 +86,8 @@ class PeerLink:
 
     ``on_load(worker_id, in_flight, queued_tokens)`` is called with the peers' sums for a
     worker whenever they change; ``on_speculated(worker_id, rank, keys)`` for each chain a
-    peer sent. ``rows()`` gives this replica's own rows (for heartbeats).
+    peer sent; ``on_pinned(table, key, worker_id)`` for each conversation a peer placed.
+    ``rows()`` gives this replica's own rows (for heartbeats).
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class PeerLink:
         rows: Callable[[], dict[str, tuple[int, int]]],
         on_load: Callable[[str, int, int], None],
         on_speculated: Callable[[str, int | None, list[int]], None],
+        on_pinned: Callable[[str, str, str], None] | None = None,
         secret: str | None = None,
         name: str | None = None,
         heartbeat_s: float = HEARTBEAT_S,
@@ -100,12 +110,14 @@ class PeerLink:
         # what changed since the last message: rows by worker, chains sent
         self._dirty: dict[str, tuple[int, int]] = {}
         self._chains: list[tuple[str, int | None, list[int]]] = []
+        self._pins: list[tuple[str, str, str]] = []
         self._flush_at: asyncio.TimerHandle | None = None
         self.peers = sorted(set(peers))
         self.name = name or uuid.uuid4().hex[:12]
         self._rows = rows
         self._on_load = on_load
         self._on_speculated = on_speculated
+        self._on_pinned = on_pinned
         self._key = derive_credential(secret, "router-peers").encode() if secret else None
         self._ctx = zmq.asyncio.Context.instance()
         # sends never wait (NOBLOCK, dropped when full), so a plain socket: an asyncio
@@ -119,6 +131,7 @@ class PeerLink:
         self.endpoint: str | None = None  # where the PUB socket is bound (a port 0 resolved)
         self.received = 0
         self.rejected = 0
+        self.pins_received = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -161,7 +174,7 @@ class PeerLink:
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
-        self._dirty, self._chains = {}, []
+        self._dirty, self._chains, self._pins = {}, [], []
         # Nothing of this replica's is in flight any more: its peers need not wait for
         # its rows to expire.
         self._send(Load(self.name, {}, full=True))
@@ -186,16 +199,22 @@ class PeerLink:
             self._chains.append((worker_id, rank, keys))
             self._soon()
 
+    def pinned(self, table: str, key: str, worker_id: str) -> None:
+        """This replica sent a conversation (``table``: ``session`` or ``response``) to
+        the worker: the others remember it too."""
+        self._pins.append((table, key, worker_id))
+        self._soon()
+
     def _soon(self) -> None:
         if self._flush_at is None and self._pub is not None:
             self._flush_at = asyncio.get_running_loop().call_later(self.flush_s, self._flush)
 
     def _flush(self) -> None:
         self._flush_at = None
-        rows, chains = self._dirty, self._chains
-        self._dirty, self._chains = {}, []
-        if rows or chains:
-            self._send(Load(self.name, rows, chains=chains))
+        rows, chains, pins = self._dirty, self._chains, self._pins
+        self._dirty, self._chains, self._pins = {}, [], []
+        if rows or chains or pins:
+            self._send(Load(self.name, rows, chains=chains, pins=pins))
 
     def _send(self, message: Load) -> None:
         if self._pub is None:
@@ -248,6 +267,10 @@ class PeerLink:
         self.received += 1
         for worker, rank, keys in message.chains:
             self._on_speculated(worker, rank, keys)
+        if self._on_pinned is not None:
+            for table, key, worker in message.pins:
+                self._on_pinned(table, key, worker)
+        self.pins_received += len(message.pins)
         now = time.monotonic()
         rows = self._heard.setdefault(message.sender, {})
         touched = set(message.rows)
@@ -290,6 +313,7 @@ class PeerLink:
             "peers": self.peers,
             "received": self.received,
             "rejected": self.rejected,
+            "pins_received": self.pins_received,
             "heard": {
                 peer: {
                     w: {"in_flight": r[0], "queued_tokens": r[1], "age_s": round(now - r[2], 3)}

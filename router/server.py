@@ -229,6 +229,7 @@ class Router:
                 rows=pool.own_rows,
                 on_load=pool.peer_load,
                 on_speculated=pool.feed.peer_speculated,
+                on_pinned=self._peer_pinned,
                 secret=secret,
             )
             self.peers.start()
@@ -962,7 +963,7 @@ class Router:
             else:
                 tries.succeeded()
                 if routed.session:
-                    self.sessions.remember(routed.session, state.id)
+                    self._pin("session", routed.session, state.id)
                 if isinstance(response, RelayResponse):
                     response.relay.span, span = span, None  # it ends with the stream
                 span_error = None
@@ -1252,7 +1253,7 @@ class Router:
                 completion //= len(choices)  # n choices decode side by side
             state.finish_whole(ticket, now, completion if isinstance(completion, int) else None)
             if routed.kind == "responses" and isinstance(answer.get("id"), str):
-                self.responses.remember(answer["id"], state.id)
+                self._pin("response", answer["id"], state.id)
         state.end(ticket)
         metrics.requests.labels("success" if ok else "client_error").inc()
         if routed.admitted is not None:
@@ -1276,7 +1277,20 @@ class Router:
         if count_usage and relay.events.usage is not None:
             self._observe_usage(relay.events.usage)
         if relay.events.response_id is not None:
-            self.responses.remember(relay.events.response_id, relay.state.id)
+            self._pin("response", relay.events.response_id, relay.state.id)
+
+    def _pin(self, table: str, key: str, worker: str) -> None:
+        """Remember where a conversation went (``session``: its key's worker, a soft
+        score; ``response``: where a stored response is, a hard pin), and tell the other
+        processes and replicas: its next turn may reach any of them."""
+        (self.sessions if table == "session" else self.responses).remember(key, worker)
+        if self.peers is not None:
+            self.peers.pinned(table, key, worker)
+
+    def _peer_pinned(self, table: str, key: str, worker: str) -> None:
+        """Another process or replica placed a conversation: remember it as if here."""
+        if table in ("session", "response"):
+            (self.sessions if table == "session" else self.responses).remember(key, worker)
 
     def _observe_usage(self, usage: dict[str, Any]) -> None:
         """Counts an answer's prompt tokens and the cached ones (chat and completions

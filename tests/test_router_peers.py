@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+import test_router_dropin as dropin
 import zmq
 import zmq.asyncio
 
@@ -16,6 +17,9 @@ from kvpool.router.peers import Load, PeerLink, _encoder
 from kvpool.stack import free_port
 
 pytestmark = pytest.mark.timeout(120)
+
+# the drop-in tests' recording workers, as a fixture of this module too
+recording = dropin.recording
 
 
 class Side:
@@ -25,12 +29,14 @@ class Side:
         self.rows: dict[str, tuple[int, int]] = {}
         self.load: dict[str, tuple[int, int]] = {}
         self.speculated: list[tuple[str, int | None, list[int]]] = []
+        self.pinned: list[tuple[str, str, str]] = []
         self.link = PeerLink(
             f"tcp://127.0.0.1:{port}",
             [f"tcp://127.0.0.1:{p}" for p in peers],
             rows=lambda: dict(self.rows),
             on_load=lambda w, n, q: self.load.__setitem__(w, (n, q)),
             on_speculated=lambda w, r, k: self.speculated.append((w, r, k)),
+            on_pinned=lambda t, k, w: self.pinned.append((t, k, w)),
             secret=secret,
             **kw,
         )
@@ -70,6 +76,36 @@ async def test_each_replica_sees_the_others_load_and_speculations() -> None:
     finally:
         for side in (a, b):
             await side.link.close()
+
+
+async def test_where_a_replica_sends_a_conversation_reaches_the_others() -> None:
+    a, b = await linked(heartbeat_s=0.05)
+    try:
+        a.link.pinned("response", "resp_abc", "w2")
+        a.link.pinned("session", "user-7", "w1")
+        await until(lambda: len(b.pinned) == 2)
+        assert b.pinned == [("response", "resp_abc", "w2"), ("session", "user-7", "w1")]
+        assert a.pinned == []  # a replica does not hear its own
+    finally:
+        for side in (a, b):
+            await side.link.close()
+
+
+def test_a_message_of_the_release_before_pins_is_still_read() -> None:
+    import msgspec
+
+    class Before(msgspec.Struct, tag="load", array_like=True):  # Load before pins came
+        sender: str
+        rows: dict[str, tuple[int, int]]
+        full: bool = False
+        chains: list[tuple[str, int | None, list[int]]] = []
+
+    old = msgspec.msgpack.encode(Before("old", {"w1": (1, 2)}, chains=[("w1", None, [5])]))
+    got = msgspec.msgpack.decode(old, type=Load)
+    assert got.rows == {"w1": (1, 2)} and got.chains == [("w1", None, [5])] and got.pins == []
+    # and what the new release sends without pins, the old one reads
+    new = _encoder.encode(Load("new", {"w1": (3, 4)}, full=True))
+    assert msgspec.msgpack.decode(new, type=Before).rows == {"w1": (3, 4)}
 
 
 async def test_a_silent_replica_s_rows_expire() -> None:
@@ -139,3 +175,33 @@ def test_two_routers_count_each_others_streams_and_share_new_prefixes(
             assert first.status_code == second.status_code == 200
             assert second.headers["x-kvpool-worker"] == first.headers["x-kvpool-worker"]
         rb.wait_for(lambda: rb.workers()[busy]["peers_in_flight"] == 0, 10)
+
+
+def test_a_stored_response_is_continued_on_its_worker_through_the_other_replica(
+    llama_dir: Any, recording: Any, start_router: Any
+) -> None:
+    a, b = recording(llama_dir.name), recording(llama_dir.name)
+    pa, pb = free_port(), free_port()
+    common = {"worker": [a.spec("a"), b.spec("b")], "pool_secret": "k" * 32}
+    common["policy"] = "round-robin"  # alone, each replica would alternate the workers
+    ra = start_router(peer_bind=f"tcp://127.0.0.1:{pa}", peer=[f"tcp://127.0.0.1:{pb}"], **common)
+    rb = start_router(peer_bind=f"tcp://127.0.0.1:{pb}", peer=[f"tcp://127.0.0.1:{pa}"], **common)
+    ra.wait_workers_up(2)
+    rb.wait_workers_up(2)
+    admin = {"authorization": "Bearer " + "k" * 32}
+
+    def pins_heard() -> int:
+        answer = httpx.get(rb.url + "/debug/peers", headers=admin, timeout=5)
+        return int(answer.json().get("pins_received", 0)) if answer.is_success else 0
+
+    first = {"model": llama_dir.name, "input": "hello there"}
+    resp = httpx.post(ra.url + "/v1/responses", json=first, timeout=10)
+    assert resp.status_code == 200
+    worker, response_id = resp.headers["x-kvpool-worker"], resp.json()["id"]
+    rb.wait_for(lambda: pins_heard() >= 1, 10)
+    for turn in range(3):
+        follow = {"model": llama_dir.name, "input": f"and {turn}?",
+                  "previous_response_id": response_id}  # fmt: skip
+        again = httpx.post(rb.url + "/v1/responses", json=follow, timeout=10)
+        assert again.status_code == 200
+        assert again.headers["x-kvpool-worker"] == worker
