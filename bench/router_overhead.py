@@ -1389,6 +1389,12 @@ def render(
             long["kvpool"]["added_ttft_ms"][k] <= long["sglang"]["added_ttft_ms"][k]
             for k in LONG_SIZES
         )
+        # the same goal against the peer's routing work alone (its time to headers): its
+        # first byte waits ~40 ms for a delayed ACK, which the goal above counts for it
+        goals["long_prompts_routing_work"] = all(
+            long["kvpool"]["added_ttft_ms"][k] <= long["sglang"]["added_headers_ms"][k]
+            for k in LONG_SIZES
+        )
 
     def met(ok: bool) -> str:
         return "met" if ok else "**missed**"
@@ -1414,8 +1420,9 @@ def render(
     if long is not None:
         goal_lines.append(
             "- added TTFT of 1k, 4k and 16k-token streamed chats at most the SGLang router's: "
-            f"{met(goals['long_prompts'])} (its first chunk waits for a delayed ACK; against "
+            f"{met(goals['long_prompts'])} (its first chunk waits for a delayed ACK); against "
             "its time to headers, the routing work alone: "
+            f"{met(goals['long_prompts_routing_work'])} ("
             + ", ".join(
                 f"{k} {long['kvpool']['added_ttft_ms'][k]:.1f} vs "
                 f"{long['sglang']['added_headers_ms'][k]:.1f} ms"

@@ -24,8 +24,8 @@ class RouterSettings(BaseModel):
     served_model_name: str | None = None  # default: the directory's name
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    # router processes sharing the port (SO_REUSEPORT), one per core to use; they share
-    # their load through the peer link (router/processes.py)
+    # router processes accepting from one listening socket, one per core to use; they
+    # share their load through the peer link (router/processes.py)
     processes: int = Field(1, ge=1, le=64)
     # workers: a static list, or Kubernetes pods
     worker: list[str] = Field(default_factory=list)  # URL[,role=..][,events=..][,replay=..]

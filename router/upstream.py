@@ -11,8 +11,9 @@ brings it), handing the body on as it arrives.
 * **Connections.** Kept alive and reused most recent first, for ``keepalive_s`` (4 s: less
   than the 5 s after which uvicorn, so vLLM and kvpool workers, close an idle one). One the
   worker closed is never reused; one it was closing as it was reused (its close and the
-  request crossed) fails before any byte of an answer, and the request is sent once more on
-  a new connection, which is what browsers do for the same race. A response goes back to
+  request crossed) ends within ``STALE_S`` of the request, before any byte of an answer,
+  and the request is sent once more on a new connection, which is what browsers do for the
+  same race. A response goes back to
   the pool once read to its end (a stream released at its last event waits up to
   ``DRAIN_S`` for the chunked body's terminator), unless the worker asked to close; one
   abandoned midway, or dropped unreleased, closes its connection, which is how a worker
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 HIGH_WATER = 256 * 1024
 #: seconds a released stream's connection waits for the rest of its body (the terminator)
 DRAIN_S = 1.0
+#: a kept connection that ends this soon after a request, before any byte of an answer,
+#: was being closed by the worker as it was reused: the request is sent again, once
+STALE_S = 0.25
 
 
 class UpstreamClosed(ConnectionError):
@@ -434,11 +438,15 @@ class Upstream:
             # the head and the body as they are (a long prompt's body is not copied into
             # one buffer with the head), in one system call
             conn.transport.writelines((head, body))
+            written = time.monotonic()
             try:
                 await resp._headers()
             except UpstreamClosed:
                 resp.close()
-                if not reused or conn.received:
+                # Only the race with the worker's own close of an idle connection: it ends
+                # at once, before any answer. A worker failing later may have done work;
+                # whether to try again is the router's retry loop's to say.
+                if not reused or conn.received or time.monotonic() - written > STALE_S:
                     raise
                 # the worker was closing it as it was reused: once more, on a new one
                 conn, reused = await self._connection(address, reuse=False)

@@ -63,8 +63,8 @@ def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_p
     rng = random.Random(7)
     with httpx.Client(base_url=url, timeout=60) as client:
         context = client.get("/v1/models").json()["data"][0]["max_model_len"]
-        # prompts that fill the token cache first, and one huge refusal, so the baseline
-        # holds what any router serving long prompts holds
+        # long prompts that fill the token cache first, so the baseline holds what any
+        # router serving long prompts holds
         for _ in range(4):
             client.post("/v1/completions", json={"prompt": huge_prompt(rng, 2000), "max_tokens": 1})
         baseline = rss_mib(proc.pid)

@@ -362,6 +362,28 @@ async def test_a_kept_connection_the_worker_closes_as_it_is_reused_is_retried_on
     await client.close()
 
 
+async def test_a_kept_connection_that_fails_after_a_while_is_not_sent_again() -> None:
+    def dying(srv: RawServer) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            body = await srv.read_request(reader)
+            writer.write(answer(body))
+            await writer.drain()
+            await srv.read_request(reader)
+            await asyncio.sleep(0.5)  # works on it, then dies without a word
+
+        return handler
+
+    client = Upstream(connect_timeout_s=2.0)
+    async with raw_server(dying) as srv:
+        resp = await client.post(srv.url, "/a", b"1", {})
+        assert await resp.read() == b"1"
+        resp.release()
+        with pytest.raises(UpstreamClosed):  # the router's retry loop decides, not this
+            await client.post(srv.url, "/a", b"2", {})
+        assert len(srv.requests) == 2 and srv.connections == 1
+    await client.close()
+
+
 async def test_a_connection_idle_past_the_keep_alive_is_not_reused() -> None:
     client = Upstream(connect_timeout_s=2.0, keepalive_s=0.05)
     async with raw_server(keep_answering) as srv:
