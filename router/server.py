@@ -50,10 +50,7 @@ from kvpool.httpguard import BodyError, HttpLimits, guarded_protocol, read_body
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import (
     PrefixTokenCache,
-    PromptTooLong,
-    encode_within,
     load_tokenizer,
-    render_chat_text,
 )
 
 from .admin import route_answer, worker_rows
@@ -74,24 +71,19 @@ from .relay import (
     error_message,
     until_client_leaves,
 )
-from .request import MEDIA_SENTINEL, Kind, RoutingFields, parse_body, read_fields
+from .request import Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
 from .sse import SSEWatch
+from .tokens import PromptKeys
 from .tries import Attempt, Tries
 from .upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
-#: prompts up to this many characters (or token ids) are tokenized and hashed on the event
-#: loop, where a thread hop would cost more; longer ones, and chats, in a thread
-INLINE_PROMPT_SIZE = 4000
 #: response headers passed back from the worker
 PASSED_HEADERS = ("content-type", "retry-after")
 #: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
 MAX_REQUEST_ID = 256
-#: what a tokenizer raises for text it cannot encode (a lone surrogate, say): no cache
-#: credit, and the worker says what is wrong with it
-_UNTOKENIZABLE = (TypeError, ValueError, UnicodeError)
 #: the client's headers passed on to the worker: tracing context, and its credentials
 #: when the router has none of its own for the workers (--worker-api-key)
 FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
@@ -176,6 +168,7 @@ class Router:
         self.discovery: Any = None  # static or Kubernetes, chosen at start by the settings
         self.tokenizer: Any = None
         self.token_cache: PrefixTokenCache | None = None
+        self.prompt_keys: PromptKeys | None = None  # the prompt's tokens and block keys
         # To the workers: the generate requests on a client of our own (upstream.py), the
         # rest (health checks, scrapes, pass-through) on aiohttp's, a fifth of httpx's cost.
         self.upstream: aiohttp.ClientSession | None = None
@@ -202,6 +195,7 @@ class Router:
         self.token_cache = PrefixTokenCache(
             self.tokenizer, capacity_bytes=int(s.token_cache_mib * 2**20)
         )
+        self.prompt_keys = PromptKeys(self.tokenizer, self.token_cache, self.hasher)
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
         # vLLM started with --api-key wants it on /v1/* (its model list too)
@@ -706,82 +700,14 @@ class Router:
     async def _tokens_and_keys(
         self, fields: RoutingFields, adapter: str | None
     ) -> tuple[int, list[int], str | None]:
-        """The prompt's token count, its block keys and why they cover less than all of it.
-        A chat (its template rendered) and a long prompt are done in a thread: hashing
-        alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed.
-
-        A prompt over the workers' context is refused (400) from its beginning: the router
-        tokenizes about a context's worth of it, not all of it, and keeps none of it. With
-        ``truncate_prompt_tokens`` the worker keeps the prompt's end, so it is not refused."""
-        cache = self.token_cache
-        tokenizer = self.tokenizer
+        """See :meth:`PromptKeys.of`; the limit is the workers' context, unless the worker
+        keeps the prompt's end (``truncate_prompt_tokens``)."""
+        assert self.prompt_keys is not None
         truncate = fields.truncate_prompt_tokens
-        pool = self.pool
         limit = None
-        if pool is not None and (truncate is None or truncate <= 0):
-            limit = pool.context_tokens()
-        param = "prompt" if fields.kind == "completion" else "messages"
-
-        def encode(prompt: str | list[int], special: bool) -> list[int]:
-            try:
-                return encode_within(tokenizer, prompt, limit, cache, add_special_tokens=special)
-            except PromptTooLong as exc:
-                raise OpenAIError(
-                    400, str(exc), code="context_length_exceeded", param=param
-                ) from None
-
-        def truncated(tokens: list[int]) -> list[int]:
-            if truncate is not None and truncate > 0:
-                return tokens[-truncate:]  # vLLM keeps the prompt's last tokens
-            return tokens
-
-        def keys_of(tokens: list[int]) -> list[int]:
-            return self.hasher.prompt_keys(tokens, lora_name=adapter, cache_salt=fields.cache_salt)
-
-        if fields.kind == "completion":
-            if not fields.prompts:
-                return 0, [], "prompt embeddings: no tokens to match"
-            first = fields.prompts[0]  # a batch of prompts goes to one worker, routed by it
-
-            def work() -> tuple[int, list[int], str | None]:
-                try:
-                    tokens = encode(first, fields.add_special_tokens)
-                except _UNTOKENIZABLE as exc:
-                    return 0, [], f"no cache credit: the prompt does not tokenize ({exc})"
-                tokens = truncated(tokens)
-                return len(tokens), keys_of(tokens), None
-
-            return work() if len(first) <= INLINE_PROMPT_SIZE else await asyncio.to_thread(work)
-
-        def chat() -> tuple[int, list[int], str | None]:
-            try:
-                text = render_chat_text(
-                    tokenizer,
-                    fields.messages,
-                    add_generation_prompt=fields.add_generation_prompt,
-                    continue_final_message=fields.continue_final_message,
-                    chat_template_kwargs=fields.chat_template_kwargs,
-                    **fields.template,
-                )
-            except ValueError as exc:  # the worker says what is wrong; no credit meanwhile
-                return 0, [], f"no cache credit: {exc}"
-            special = fields.add_special_tokens
-            try:
-                if fields.media is None:
-                    tokens = truncated(encode(text, special))
-                    return len(tokens), keys_of(tokens), None
-                cut = text.find(MEDIA_SENTINEL)
-                whole = encode(text.replace(MEDIA_SENTINEL, ""), special)
-                # The last token before the part may merge with what stands there for it.
-                head = encode(text[:cut], special)[:-1] if cut > 0 else []
-            except _UNTOKENIZABLE as exc:
-                return 0, [], f"no cache credit: the messages do not tokenize ({exc})"
-            note = (
-                f"cache credit only for the {len(head)} tokens before the first {fields.media} part"
-            )
-            return len(whole), keys_of(head), note
-
-        return await asyncio.to_thread(chat)
+        if self.pool is not None and (truncate is None or truncate <= 0):
+            limit = self.pool.context_tokens()
+        return await self.prompt_keys.of(fields, adapter, limit)
 
     def _route_request(self, routed: Routed) -> RouteRequest:
         matched = self._pool().feed.match(routed.keys)

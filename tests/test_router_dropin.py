@@ -212,18 +212,17 @@ def test_routing_tokens_are_what_the_chat_template_renders(
 ) -> None:
     from transformers import AutoTokenizer
 
+    from kvpool.hashing import BlockHasher
     from kvpool.router.request import read_fields
-    from kvpool.router.server import Router
-    from kvpool.router.settings import RouterSettings
+    from kvpool.router.tokens import PromptKeys
     from kvpool.tokenization import PrefixTokenCache
 
     body = case["body"]
     tokenizer = AutoTokenizer.from_pretrained(str(tools_model), local_files_only=True)
-    router = Router(RouterSettings(model=str(tools_model), worker=["http://127.0.0.1:9"]))
-    router.tokenizer = tokenizer
-    router.token_cache = PrefixTokenCache(tokenizer)
+    hasher = BlockHasher()  # the router's default block size and seed
+    prompt_keys = PromptKeys(tokenizer, PrefixTokenCache(tokenizer), hasher)
 
-    num_tokens, keys, note = asyncio.run(router._tokens_and_keys(read_fields(body, "chat"), None))
+    num_tokens, keys, note = asyncio.run(prompt_keys.of(read_fields(body, "chat"), None, None))
 
     # vLLM renders the template to text, then encodes it without special tokens
     text = tokenizer.apply_chat_template(
@@ -239,7 +238,7 @@ def test_routing_tokens_are_what_the_chat_template_renders(
         expected = expected[-body["truncate_prompt_tokens"] :]
     assert note is None
     assert num_tokens == len(expected)
-    assert keys == router.hasher.prompt_keys(expected, cache_salt=body.get("cache_salt"))
+    assert keys == hasher.prompt_keys(expected, cache_salt=body.get("cache_salt"))
 
 
 def test_an_image_gives_cache_credit_only_for_the_text_before_it(
