@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import test_router_dropin as dropin
 import test_router_reliability as reliability
 from test_router_reliability import FakeWorker, body, error_of, sse_data
 
@@ -29,6 +30,7 @@ from conftest import RouterProcesses, RunningRouter
 # the reliability tests' fake workers, as fixtures of this module too
 fake_workers = reliability.fake_workers
 one_fake = reliability.one_fake
+recording = dropin.recording
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,6 +82,35 @@ def test_two_processes_serve_one_port_and_metrics_add_up_whichever_answers(
         return True
 
     router.wait_for(each_hears_the_other, timeout=10)
+
+
+def test_a_stored_response_is_continued_on_its_worker_whichever_process_takes_the_next_turn(
+    llama_dir: Path,
+    recording: Callable[..., dropin.RecordingWorker],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    a, b = recording(llama_dir.name), recording(llama_dir.name)
+    # round-robin: a process that does not know where the response is alternates workers
+    router = start_router(worker=[a.spec("a"), b.spec("b")], policy="round-robin", processes=2)
+    router.wait_workers_up(2)
+    first = {"model": llama_dir.name, "input": "hello there"}
+    resp = httpx.post(router.url + "/v1/responses", json=first, timeout=10)
+    assert resp.status_code == 200
+    worker, response_id = resp.headers["x-kvpool-worker"], resp.json()["id"]
+
+    def the_other_process_heard_it() -> bool:  # each GET on a new connection: any process
+        return any(
+            httpx.get(router.url + "/debug/peers").json().get("pins_received", 0) >= 1
+            for _ in range(10)
+        )
+
+    router.wait_for(the_other_process_heard_it, timeout=10)
+    for turn in range(8):  # each on a new connection: either process
+        follow = {"model": llama_dir.name, "input": f"and {turn}?",
+                  "previous_response_id": response_id}  # fmt: skip
+        again = httpx.post(router.url + "/v1/responses", json=follow, timeout=10)
+        assert again.status_code == 200, again.text
+        assert again.headers["x-kvpool-worker"] == worker
 
 
 def test_error_before_the_first_byte_is_retried_unseen_in_every_process(
