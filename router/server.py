@@ -1209,14 +1209,16 @@ class Router:
         """Remember where a conversation went (``session``: its key's worker, a soft
         score; ``response``: where a stored response is, a hard pin), and tell the other
         processes and replicas: its next turn may reach any of them."""
-        (self.sessions if table == "session" else self.responses).remember(key, worker)
+        self._peer_pinned(table, key, worker)
         if self.peers is not None:
             self.peers.pinned(table, key, worker)
 
     def _peer_pinned(self, table: str, key: str, worker: str) -> None:
-        """Another process or replica placed a conversation: remember it as if here."""
-        if table in ("session", "response"):
-            (self.sessions if table == "session" else self.responses).remember(key, worker)
+        """Another process or replica placed a conversation: remember it as if here (a
+        table this release does not know of: nothing)."""
+        pins = {"session": self.sessions, "response": self.responses}.get(table)
+        if pins is not None:
+            pins.remember(key, worker)
 
     def _observe_usage(self, usage: dict[str, Any]) -> None:
         """Counts an answer's prompt tokens and the cached ones (chat and completions

@@ -4,9 +4,9 @@ A generate request is one POST to one worker, answered whole or streamed. aiohtt
 did that at about a sixth of the router's CPU per request (py-spy, ``bench/router_overhead.py``
 at 400 req/s): a timer context, tracing hooks, a cookie jar, URL objects, a payload registry
 and two tasks' worth of futures for every request. This client does the one thing: it keeps
-idle connections per worker address, writes the request head and body in one ``write``,
-and parses the answer with httptools (the C parser uvicorn uses; the ``router`` extra
-brings it), handing the body on as it arrives.
+idle connections per worker address, writes the request head and body in one system call
+(the body not copied), and parses the answer with httptools (the C parser uvicorn uses;
+the ``router`` extra brings it), handing the body on as it arrives.
 
 * **Connections.** Kept alive and reused most recent first, for ``keepalive_s`` (4 s: less
   than the 5 s after which uvicorn, so vLLM and kvpool workers, close an idle one). One the
