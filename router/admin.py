@@ -7,9 +7,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .forward import Routed
     from .policy import Plan
     from .pool import WorkerPool
-    from .server import Routed
 
 __all__ = ["route_answer", "worker_rows"]
 

@@ -5,21 +5,9 @@ forwarded unchanged, refusing a feature is the worker's job), tokenize and hash 
 prompt, look the chain up in the block index, let the policy pick a worker, claim the
 worker's load, and proxy.
 
-A failure before the first token is invisible to the client. Nothing is sent to the
-client before the worker's first output event (or its whole answer, when not streamed):
-a connection error, a 5xx or a 429, a reset, a stream that ends or errors with no output,
-no output before the time-to-first-token limit, or the worker failing its health check
-meanwhile sends the request to another worker (bounded attempts, with backoff). Once
-output has reached the client, a worker failure, or a stream silent for longer than the
-idle timeout, ends it with an SSE error event and ``[DONE]``, never a hang. A client that
-leaves at any moment cancels the worker's request and releases what was counted for it.
-
-A request the planner splits goes first to a prefill worker (``max_tokens: 1``, not
-streamed, ``kv_transfer_params.do_remote_decode``), whose answer's ``kv_transfer_params``
-are added to the client's body for the decode worker, whose answer is relayed like any
-other. A failed prefill leg is tried on another prefill worker; when none is left, the
-request is served whole (the decode worker computes its prefill): a split never costs the
-client an answer.
+How a request reaches a worker, is tried on others when it fails before its first token,
+and is split into prefill and decode legs, is :mod:`.forward`'s. This module is the gateway
+(parsing, admission, planning) and the admin surface (health, metrics, debug endpoints).
 """
 
 from __future__ import annotations
@@ -31,11 +19,9 @@ import logging
 import math
 import socket
 import time
-import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -57,38 +43,29 @@ from .admin import route_answer, worker_rows
 from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
+from .forward import PASSED_HEADERS, Forwarder, Routed
 from .index import BlockIndex
-from .load import Ticket
 from .metrics import RouterMetrics
 from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest, saturation
-from .pool import WorkerPool, WorkerState
+from .pool import WorkerPool
 from .processes import ProcessSlot, supervise
 from .relay import (
-    Failed,
-    Relay,
     RelayResponse,
-    error_message,
     until_client_leaves,
 )
 from .request import Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
-from .sse import SSEWatch
 from .tokens import PromptKeys
-from .tries import Attempt, Tries
-from .upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamResponse
+from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-#: response headers passed back from the worker
-PASSED_HEADERS = ("content-type", "retry-after")
 #: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
 MAX_REQUEST_ID = 256
 #: the client's headers passed on to the worker: tracing context, and its credentials
 #: when the router has none of its own for the workers (--worker-api-key)
 FORWARDED_HEADERS = ("traceparent", "tracestate", "baggage")
-#: vLLM's header that sends a request to one data-parallel rank of a pod
-DP_RANK_HEADER = "X-data-parallel-rank"
 #: the endpoints routed by the prompt, by path
 GENERATE_PATHS: dict[str, Kind] = {
     "/v1/completions": "completion",
@@ -98,51 +75,6 @@ GENERATE_PATHS: dict[str, Kind] = {
 WORKER_PATHS: dict[Kind, str] = {kind: path for path, kind in GENERATE_PATHS.items()}
 #: the endpoints passed to a healthy worker of the model as they are
 PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize")
-
-
-@dataclass
-class Routed:
-    """A request, tokenized and hashed, ready for the policy."""
-
-    request_id: str
-    path: str  # the worker's endpoint
-    body: bytes  # what the workers get: the client's, but for the router's bookkeeping
-    model: str | None
-    stream: bool
-    num_tokens: int
-    keys: list[int]
-    splittable: bool = True  # one prompt: the prefill/decode hand-off carries one
-    #: the router asked for usage on the stream: the usage chunk is not passed on
-    strip_usage: bool = False
-    session: str | None = None
-    #: why the prompt has less cache credit than tokens (content it cannot tokenize)
-    credit_note: str | None = None
-    #: worker -> the data-parallel rank holding its match, from the last lookup
-    ranks: dict[str, int] = field(default_factory=dict)
-    kind: Kind = "completion"
-    #: the client's headers passed on (FORWARDED_HEADERS)
-    headers: dict[str, str] = field(default_factory=dict)
-    #: the worker that stored the response this one continues (previous_response_id)
-    pin: str | None = None
-    #: the most tokens it may generate, all choices together (for the tokens/minute limit)
-    max_tokens: int = 0
-    #: what admission gave it (its tenant, slot, reserved tokens), settled when it ends
-    admitted: Pass | None = None
-    #: the plan admission made when it let the request straight through (the pool was not
-    #: saturated for it): the one it is sent by, not made twice
-    plan: Plan | None = None
-
-
-@dataclass
-class _DecodeLeg:
-    """The second half of a split: the body with the prefill worker's ``kv_transfer_params``
-    and where they came from (to release the blocks if no decode worker takes them)."""
-
-    body: bytes
-    params: dict[str, Any]
-    prefill: WorkerState
-    tail_tokens: int  # what the decode worker computes itself: the part of a block
-    sent: bool = False  # a decode worker got it: that worker pulls and releases the blocks
 
 
 class Router:
@@ -183,7 +115,7 @@ class Router:
         self.draining = False
         self.bound_port: int | None = None
         self._discovery_task: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget releases
+        self.forwarder: Forwarder | None = None  # the data path to the workers
         self._handlers = exception_handlers(log)
         self.app = self._build_app()  # everything, with its OpenAPI schema
 
@@ -238,6 +170,9 @@ class Router:
         self._share_task = asyncio.create_task(self.metrics.share())
         self.gate = Gate(s, self.metrics, self._saturation)
         self.gate.start()
+        self.forwarder = Forwarder(
+            s, pool, self.metrics, self.gate, self.http, self.upstream, self._decide, self._pin
+        )
         tracing.configure("kvpool-router")
         if s.discovery == "kubernetes":
             from .discovery import KubernetesDiscovery
@@ -336,6 +271,11 @@ class Router:
         if self.pool is None:
             raise OpenAIError(503, "the router is starting", type="service_unavailable")
         return self.pool
+
+    def _forwarder(self) -> Forwarder:
+        if self.forwarder is None:
+            raise OpenAIError(503, "the router is starting", type="service_unavailable")
+        return self.forwarder
 
     def _metrics(self) -> RouterMetrics:
         assert self.metrics is not None
@@ -776,434 +716,7 @@ class Router:
             metrics.prompt_tokens.inc(routed.num_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s", routed.request_id, plan.explain())
-        if plan.prefill is None:
-            metrics.pd_path["aggregated"].inc()
-            return await self._serve(routed, arrival, deadline, first=plan.decode)
-        assert plan.prefill is not None
-        metrics.predicted_hit_tokens.inc(plan.prefill.cached_tokens)
-        leg = await self._prefill(routed, plan.prefill, deadline)
-        if leg is None:  # no prefill worker could do it: the request is served whole
-            metrics.pd_path["fallback"].inc()
-            return await self._serve(routed, arrival, deadline, first=None, count_hit=True)
-        metrics.pd_path["disaggregated"].inc()
-        try:  # the decode worker is chosen now, by its load now that the prefill is done
-            return await self._serve(routed, arrival, deadline, first=None, leg=leg)
-        finally:
-            if not leg.sent:  # no decode worker got the blocks: free them now
-                self._release_prefill(leg)
-
-    async def _serve(
-        self,
-        routed: Routed,
-        arrival: float,
-        deadline: float,
-        *,
-        first: Decision | None,
-        leg: _DecodeLeg | None = None,
-        count_hit: bool = False,
-    ) -> Response:
-        """Send the request (whole, or a split's decode leg) to the worker of ``first`` or,
-        failing that, to others in turn, and answer the client with what one of them says.
-        ``deadline``, for a whole answer: no attempt starts after it, and none waits past it.
-        A stream's attempts each wait ``first_token_timeout_s`` for their first token: a
-        worker that hangs while its health check still answers (a stuck engine behind a live
-        API server) loses the request to another worker, not the client."""
-        s = self.settings
-        metrics = self._metrics()
-        tries = Tries(
-            s,
-            self._pool(),
-            metrics,
-            routed.request_id,
-            routed.keys,
-            lambda tried: self._decide(routed, tried, leg="decode" if leg else "aggregated"),
-            first=first,
-            ranks=routed.ranks,
-            stop_at=None if routed.stream else deadline,
-        )
-        headers = {"x-kvpool-prefill-worker": leg.prefill.id} if leg is not None else {}
-        while (t := await tries.next()) is not None:
-            state, decision = t.state, t.decision
-            if t.number == 0 and (first is not None or count_hit) and leg is None:
-                metrics.predicted_hit_tokens.inc(decision.cached_tokens)
-            now = time.monotonic()
-            if leg is None:
-                ticket = state.begin(
-                    routed.num_tokens - decision.cached_tokens,
-                    decision.predicted_ttft_s or 0.0,
-                    now,
-                    shows_first_token=routed.stream,
-                )
-            else:  # its prefill is pulled: it computes the tail, after the transfer
-                ticket = state.begin(
-                    leg.tail_tokens, 0.0, now, learn=False, shows_first_token=routed.stream
-                )
-            attempt = Attempt()
-            state.attempts.add(attempt)
-            limit = now + s.first_token_timeout_s if routed.stream else deadline
-            if routed.admitted is not None:
-                routed.admitted.on_worker()
-            # The attempt's span lasts as long as the attempt: a stream's, to its end.
-            span = tracing.start_span(
-                "kvpool.router.upstream",
-                {"kvpool.worker": state.id, "kvpool.attempt": t.number + 1},
-            )
-            span_error: str | None = "cancelled"
-            try:
-                extra = {DP_RANK_HEADER: str(t.rank)} if t.rank is not None else {}
-                with tracing.activated(span):
-                    tracing.inject(extra)  # the worker's spans join this trace
-                    resp = await self._send(
-                        state,
-                        routed,
-                        limit,
-                        body=leg.body if leg is not None else None,
-                        headers=extra,
-                    )
-                if leg is not None:
-                    leg.sent = True
-                response = await self._respond(
-                    state,
-                    ticket,
-                    routed,
-                    resp,
-                    arrival,
-                    limit,
-                    attempt,
-                    headers=headers,
-                    count_usage=leg is None,
-                )
-            except asyncio.CancelledError:
-                failure = attempt.failure()
-                if failure is None:  # the client left, shutdown, or a bug: not retried
-                    state.end(ticket)
-                    raise
-                exc = failure
-                span_error = str(failure)
-            except Failed as failed:
-                exc = failed
-                span_error = str(failed)
-            except BaseException:
-                state.end(ticket)
-                raise
-            else:
-                tries.succeeded()
-                if routed.session:
-                    self._pin("session", routed.session, state.id)
-                if isinstance(response, RelayResponse):
-                    response.relay.span, span = span, None  # it ends with the stream
-                span_error = None
-                return response
-            finally:
-                state.attempts.discard(attempt)
-                if span is not None:
-                    tracing.end_span(span, span_error)
-            state.end(ticket)
-            tries.failed(t, exc, suspect=exc.reason in ("5xx", "no_token"))
-            log.warning("request %s: worker %s failed: %s", routed.request_id, state.id, exc)
-        last, failures = tries.last, tries.failures
-        if last is None:
-            metrics.requests.labels("no_worker").inc()
-            raise OpenAIError(
-                503,
-                "no worker can take this request now"
-                + (f" (tried: {'; '.join(failures)})" if failures else ""),
-                type="service_unavailable",
-                code="no_worker",
-                headers={"Retry-After": "1"},
-            )
-        outcome = {"overloaded": "overloaded", "timeout": "timeout", "ttft_timeout": "timeout"}
-        metrics.requests.labels(outcome.get(last.reason, "worker_error")).inc()
-        raise OpenAIError(
-            last.status,
-            f"the request failed on {len(failures)} worker(s): {'; '.join(failures)}",
-            type="rate_limit_error" if last.status == 429 else "server_error",
-            code={
-                "overloaded": "workers_overloaded",
-                "timeout": "timeout",
-                "ttft_timeout": "timeout",
-            }.get(last.reason, "worker_unavailable"),
-            headers={"Retry-After": "1"} if last.status in (429, 503) else None,
-        )
-
-    # -- the prefill leg of a split ---------------------------------------------------------
-
-    async def _prefill(self, routed: Routed, first: Decision, deadline: float) -> _DecodeLeg | None:
-        """Run the prefill leg on the worker of ``first``, or on other prefill workers in
-        turn if it fails; the decode leg that follows, or None if no prefill worker did it
-        (the caller then serves the request whole)."""
-        s = self.settings
-        metrics = self._metrics()
-        request = json.loads(routed.body)
-        body = _prefill_body(request)
-        tries = Tries(
-            s,
-            self._pool(),
-            metrics,
-            routed.request_id,
-            routed.keys,
-            lambda tried: self._decide(routed, tried, leg="prefill"),
-            first=first,
-            stop_at=deadline,
-            what="prefill ",
-        )
-        while (t := await tries.next()) is not None:
-            state, decision = t.state, t.decision
-            now = time.monotonic()
-            ticket = state.begin(
-                routed.num_tokens - decision.cached_tokens,
-                decision.predicted_ttft_s or 0.0,
-                now,
-                shows_first_token=True,  # the leg's answer is its first token
-            )
-            leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
-            try:
-                answer = await self._prefill_leg(state, routed, body, leg_deadline)
-                state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
-            except Failed as exc:
-                tries.failed(t, exc, suspect=exc.reason == "5xx")
-                metrics.prefill_failures.labels(exc.reason).inc()
-                log.warning(
-                    "request %s: prefill leg on %s failed: %s", routed.request_id, state.id, exc
-                )
-                if exc.reason in ("refused", "no_params"):
-                    break  # a refusal of the split itself: another prefill worker would too
-                continue
-            finally:
-                state.end(ticket)
-            tries.succeeded()
-            metrics.prefill_leg.observe(time.monotonic() - now)
-            usage = answer.get("usage")
-            if isinstance(usage, dict):  # the prefill worker's cache is the one that counts
-                self._observe_usage(usage)
-            params = answer["kv_transfer_params"]
-            full = routed.num_tokens // self.settings.block_size * self.settings.block_size
-            return _DecodeLeg(
-                body=json.dumps({**request, "kv_transfer_params": params}).encode(),
-                params=params,
-                prefill=state,
-                tail_tokens=max(routed.num_tokens - full, 1),
-            )
-        log.warning(
-            "request %s: no prefill leg succeeded (%s); serving it whole",
-            routed.request_id,
-            tries.last or "no prefill worker",
-        )
-        return None
-
-    async def _prefill_leg(
-        self, state: WorkerState, routed: Routed, body: bytes, deadline: float
-    ) -> dict[str, Any]:
-        """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`Failed`."""
-        if routed.admitted is not None:
-            routed.admitted.on_worker()
-        with tracing.span("kvpool.router.prefill_leg", {"kvpool.worker": state.id}):
-            headers: dict[str, str] = {}
-            tracing.inject(headers)
-            resp = await self._send(state, routed, deadline, body=body, headers=headers)
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    content = await resp.read()
-            except TimeoutError:
-                state.breaker.on_failure(time.monotonic())
-                raise Failed("timeout", "no answer before the prefill timeout", 504) from None
-            except OSError as exc:
-                state.breaker.on_failure(time.monotonic())
-                raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
-            finally:
-                resp.release()  # kept if read to its end, closed if not
-        text = content.decode(errors="replace")
-        if resp.status != 200:
-            raise Failed("refused", f"{resp.status} {error_message(text)[:300]}")
-        try:
-            answer = json.loads(content)
-            params = answer.get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            answer, params = None, None
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            raise Failed("no_params", f"the answer has no kv_transfer_params: {text[:200]}")
-        state.breaker.on_success()
-        return answer
-
-    def _release_prefill(self, leg: _DecodeLeg) -> None:
-        """Free blocks pinned for a decode leg that no worker got (a kvpool prefill worker's
-        ``DELETE /kv/{id}``; any other's pin times out on its own)."""
-        rid = leg.params.get("remote_request_id")
-        if leg.prefill.info is None or not isinstance(rid, str) or self.upstream is None:
-            return
-        url = f"{leg.prefill.url}/kv/{urllib.parse.quote(rid, safe='')}"
-        upstream = self.upstream
-        token = leg.params.get("kvpool_token")  # the hand-off's own one-time credential
-        headers = {"Authorization": f"Bearer {token}"} if isinstance(token, str) else None
-
-        async def delete() -> None:
-            with contextlib.suppress(Exception):  # best effort: the pin times out anyway
-                async with upstream.delete(
-                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=5.0)
-                ):
-                    pass
-
-        task = asyncio.ensure_future(delete())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _send(
-        self,
-        state: WorkerState,
-        routed: Routed,
-        deadline: float,
-        *,
-        body: bytes | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> UpstreamResponse:
-        """The worker's response with its headers read, or :class:`Failed` if this worker
-        cannot answer it (and another may). ``body``: a split's leg, not the client's."""
-        assert self.http is not None
-        pool = self._pool()
-        now = time.monotonic()
-        sent = {"content-type": "application/json", "x-request-id": routed.request_id}
-        sent.update(routed.headers)
-        if headers:
-            sent.update(headers)
-        try:
-            async with asyncio.timeout(max(deadline - now, 0.001)):
-                resp = await self.http.post(
-                    state.url, routed.path, routed.body if body is None else body, sent
-                )
-        except ConnectTimedOut:  # perhaps only busy: the health check decides
-            state.breaker.on_failure(time.monotonic())
-            raise Failed("connect", "connection timed out") from None
-        except TimeoutError:
-            state.breaker.on_failure(time.monotonic())
-            reason = "ttft_timeout" if routed.stream else "timeout"
-            raise Failed(reason, "no answer before the time limit", 504) from None
-        except ConnectFailed as exc:  # refused: nothing listens there any more
-            state.breaker.on_failure(time.monotonic())
-            pool.mark_down(state, f"connection failed: {exc.os_error}", dead=True)
-            raise Failed("connect", "connection refused") from None
-        except OSError as exc:
-            if not self.http.closed:  # at shutdown it is the router's doing, not the worker's
-                state.breaker.on_failure(time.monotonic())
-            log.info("request %s: %s: %r", routed.request_id, state.id, exc)
-            raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
-        if resp.status < 500 and resp.status != 429:
-            return resp
-        # Retried elsewhere: the worker said nothing the client has seen yet.
-        text = ""
-        try:
-            with contextlib.suppress(OSError):  # TimeoutError too
-                async with asyncio.timeout(1.0):
-                    text = (await resp.read()).decode(errors="replace")[:300]
-        finally:
-            resp.release()
-        if resp.status == 429:
-            raise Failed("overloaded", f"429 {error_message(text)}", 429)
-        # Not charged to the breaker yet: a request that fails on every worker is more
-        # likely bad than every worker broken (see _serve).
-        raise Failed("5xx", f"{resp.status} {error_message(text)}")
-
-    async def _respond(
-        self,
-        state: WorkerState,
-        ticket: Ticket,
-        routed: Routed,
-        resp: UpstreamResponse,
-        arrival: float,
-        deadline: float,
-        attempt: Attempt,
-        *,
-        headers: dict[str, str] | None = None,
-        count_usage: bool = True,
-    ) -> Response:
-        """The client's answer from this worker's response, once it is sure to be one: a
-        stream's first output, or the whole body. :class:`Failed` before that.
-        ``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
-        pulled, not a cache hit (the prefill leg's usage was counted instead)."""
-        headers = {
-            **{k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None},
-            **(headers or {}),
-        }
-        headers["x-request-id"] = routed.request_id
-        headers["x-kvpool-worker"] = state.id
-        if routed.admitted is not None:
-            headers.update(routed.admitted.headers)  # x-ratelimit-*
-        if routed.stream and resp.status == 200:
-            relay = Relay(
-                state,
-                ticket,
-                routed.request_id,
-                resp,
-                arrival,
-                SSEWatch(routed.strip_usage),
-                self._metrics(),
-                self.settings.stream_idle_timeout_s,
-                on_close=lambda relay: self._relay_closed(relay, routed, count_usage),
-            )
-            try:
-                await relay.first_output(deadline)
-            except BaseException:
-                resp.close()  # the worker sees it and aborts the request
-                raise
-            attempt.committed = True
-            return RelayResponse(relay, headers)
-        metrics = self._metrics()
-        try:
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                content = await resp.read()
-        except TimeoutError:
-            resp.close()
-            state.breaker.on_failure(time.monotonic())
-            raise Failed("timeout", "no answer before the request timeout", 504) from None
-        except OSError as exc:
-            # Nothing has reached the client yet: another worker may answer it.
-            resp.close()
-            state.breaker.on_failure(time.monotonic())
-            raise Failed("connection", f"failed while answering ({type(exc).__name__})") from None
-        except BaseException:  # cancelled: the worker's connection is closed, so it aborts
-            resp.close()
-            raise
-        finally:
-            resp.release()
-        attempt.committed = True
-        now = time.monotonic()
-        ok = resp.status < 400
-        answer = _answer_of(content) if ok else {}
-        usage = answer.get("usage")
-        usage = usage if isinstance(usage, dict) else None
-        if ok:
-            completion = (
-                usage.get("completion_tokens", usage.get("output_tokens")) if usage else None
-            )
-            choices = answer.get("choices")
-            if isinstance(completion, int) and isinstance(choices, list) and len(choices) > 1:
-                completion //= len(choices)  # n choices decode side by side
-            state.finish_whole(ticket, now, completion if isinstance(completion, int) else None)
-            if routed.kind == "responses" and isinstance(answer.get("id"), str):
-                self._pin("response", answer["id"], state.id)
-        state.end(ticket)
-        metrics.requests.labels("success" if ok else "client_error").inc()
-        if routed.admitted is not None:
-            routed.admitted.usage = usage  # settles its tokens when the request ends
-        if ok:
-            state.breaker.on_success()
-            metrics.e2e.observe(now - arrival)
-            if count_usage and usage:
-                self._observe_usage(usage)
-        return Response(content, status_code=resp.status, headers=headers)
-
-    def _relay_closed(self, relay: Relay, routed: Routed, count_usage: bool) -> None:
-        """A relayed stream ended: settle its admission, count its usage, and remember where
-        its stored response is."""
-        admitted = routed.admitted
-        if admitted is not None:
-            admitted.usage = relay.events.usage
-            if relay.outcome != "success":
-                admitted.error = relay.outcome
-            self._gate().finish(admitted)
-        if count_usage and relay.events.usage is not None:
-            self._observe_usage(relay.events.usage)
-        if relay.events.response_id is not None:
-            self._pin("response", relay.events.response_id, relay.state.id)
+        return await self._forwarder().forward(routed, plan, arrival, deadline)
 
     def _pin(self, table: str, key: str, worker: str) -> None:
         """Remember where a conversation went (``session``: its key's worker, a soft
@@ -1220,19 +733,6 @@ class Router:
         if pins is not None:
             pins.remember(key, worker)
 
-    def _observe_usage(self, usage: dict[str, Any]) -> None:
-        """Counts an answer's prompt tokens and the cached ones (chat and completions
-        name them ``prompt_tokens``, the Responses API ``input_tokens``)."""
-        metrics = self._metrics()
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(prompt, int):
-            metrics.reported_prompt_tokens.inc(prompt)
-            # A worker that does not report cached tokens (vLLM without
-            # --enable-prompt-tokens-details) served none from cache as far as we know.
-            metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
-
 
 def _max_tokens(obj: dict[str, Any], default: int) -> int:
     """The most tokens a request may generate, all its choices together: what the
@@ -1248,15 +748,6 @@ def _max_tokens(obj: dict[str, Any], default: int) -> int:
     return value * n
 
 
-def _answer_of(content: bytes) -> dict[str, Any]:
-    """A whole answer's JSON object (empty when it is not one)."""
-    try:
-        answer = json.loads(content)
-    except (ValueError, RecursionError):
-        return {}
-    return answer if isinstance(answer, dict) else {}
-
-
 async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
     """Run a discovery until cancelled; a failure (logged as ``failed``) leaves what it
     found so far in place."""
@@ -1266,25 +757,6 @@ async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
         raise
     except Exception:
         log.exception(failed)
-
-
-def _prefill_body(request: dict[str, Any]) -> bytes:
-    """The prefill leg of a client's body, as vLLM's disaggregated proxy sends it: one
-    token, not streamed, ``do_remote_decode`` (its answer says where the blocks are)."""
-    body = {k: v for k, v in request.items() if k not in ("stream_options", "min_tokens")}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    return json.dumps(body).encode()
 
 
 def _draining() -> OpenAIError:
