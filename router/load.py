@@ -101,15 +101,31 @@ class WorkerLoad:
     peer_queued: int = 0
     #: told of this router's own load here whenever it changes (for the other replicas)
     on_load: Callable[[Any], None] | None = field(default=None, repr=False)
+    #: the queued tickets' tokens, summed, and the earliest of their expiries: every
+    #: decision asks every worker, and most of the time nothing has expired
+    _queued_sum: int = field(default=0, repr=False)
+    _queued_due: float = field(default=math.inf, repr=False)
 
     def queued_tokens(self, now: float) -> int:
+        if now < self._queued_due:
+            return self._queued_sum
         queued = self.queued
-        if not queued:  # most workers, most of the time: every decision asks each of them
-            return 0
-        stale = [k for k, t in queued.items() if t.expires_at <= now]
-        for k in stale:
+        for k in [k for k, t in queued.items() if t.expires_at <= now]:
             del queued[k]
-        return sum(t.tokens for t in queued.values())
+        self._requeue()
+        return self._queued_sum
+
+    def _requeue(self) -> None:
+        """Sum the queued tickets again (after some left)."""
+        queued = self.queued
+        self._queued_sum = sum(t.tokens for t in queued.values())
+        self._queued_due = min((t.expires_at for t in queued.values()), default=math.inf)
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        if self.queued.pop(id(ticket), None) is not None:
+            self._queued_sum -= ticket.tokens
+            if ticket.expires_at == self._queued_due != math.inf:
+                self._requeue()  # the earliest expiry left
 
     def begin(
         self,
@@ -136,6 +152,8 @@ class WorkerLoad:
         )
         self.in_flight += 1
         self.queued[id(ticket)] = ticket
+        self._queued_sum += tokens
+        self._queued_due = min(self._queued_due, ticket.expires_at)
         self._load_changed()
         return ticket
 
@@ -144,7 +162,7 @@ class WorkerLoad:
         ttft = now - ticket.routed_at
         if not ticket.first_token_seen:
             ticket.first_token_seen = True
-            self.queued.pop(id(ticket), None)
+            self._dequeue(ticket)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
             self._load_changed()
@@ -178,7 +196,7 @@ class WorkerLoad:
         if not ticket.ended:
             ticket.ended = True
             self.in_flight -= 1
-            self.queued.pop(id(ticket), None)
+            self._dequeue(ticket)
             self._load_changed()
 
     def observe_itl(self, seconds: float) -> None:

@@ -131,24 +131,30 @@ class WorkerState(WorkerLoad):
 
     def view(self, now: float, max_load_age: float = 3.0) -> WorkerView:
         # Load the scrape has not confirmed lately is not known: neither a reason to avoid
-        # the worker (a last reading of a full cache) nor to prefer it.
+        # the worker (a last reading of a full cache) nor to prefer it. Every decision
+        # asks every worker: fields in WorkerView's order, positionally (keywords cost a
+        # fifth more at 64 workers).
         fresh = self.scraped_at is not None and now - self.scraped_at <= max_load_age
+        endpoint = self.endpoint
+        up = self.status == "up"
+        waiting = self.waiting
+        breaker = self.breaker
         return WorkerView(
-            id=self.id,
-            role=self.endpoint.role,
-            model=self.model,
-            healthy=self.status == "up",
-            draining=self.endpoint.draining,
-            breaker_open=self.breaker.is_open(now),
-            compatible=self.compatible,
-            in_flight=self.in_flight + self.peer_in_flight,
-            queued_tokens=self.queued_tokens(now) + self.peer_queued,
-            kv_usage=self.kv_usage if fresh else None,
-            waiting=None if self.waiting is None or not fresh else int(self.waiting),
-            prefill=self.prefill,
-            models=self.models,
-            batch_capacity=self.batch_capacity,
-            batch_announced=self.batch_announced,
+            endpoint.id,
+            endpoint.role,
+            self.model,
+            self.models,
+            up,
+            endpoint.draining,
+            breaker.failures >= breaker.threshold and now < breaker.open_until,
+            self.compatible,
+            self.in_flight + self.peer_in_flight,
+            (self.queued_tokens(now) if self.queued else 0) + self.peer_queued,
+            self.kv_usage if fresh else None,
+            None if waiting is None or not fresh else int(waiting),
+            self.prefill,
+            self.batch_capacity,
+            self.batch_announced,
         )
 
     def set_models(self, cards: list[dict[str, Any]]) -> None:
@@ -183,6 +189,8 @@ class PoolConfig:
 
 #: TTFTs seen before a worker's own prefill model is trusted over its peers'
 LEARNED_AFTER = 8
+#: how long the pool's typical prefill model (the median of the learned ones) is reused
+TYPICAL_EVERY_S = 0.25
 
 
 class WorkerPool:
@@ -198,6 +206,8 @@ class WorkerPool:
     ) -> None:
         self.config = config
         self.index = index
+        #: (until when, how many learned models, their median model): see _typical_prefill
+        self._typical: tuple[float, int, PrefillModel] | None = None
         self.client = client
         self.workers: dict[str, WorkerState] = {}
         #: the index's writer: the workers' event streams, their ranks, speculation
@@ -264,16 +274,30 @@ class WorkerPool:
         # A worker the router has not yet seen prefill is assumed to be like its peers
         # (same model, same hardware), not like the static prior: a prior slower than
         # the pool would keep a new or idle worker out of rotation for good.
-        learned = [v.prefill for v in views if v.prefill.observations >= LEARNED_AFTER]
-        if learned and len(learned) < len(views):
-            typical = PrefillModel(
-                rate=statistics.median(m.rate for m in learned),
-                overhead=statistics.median(m.overhead for m in learned),
-            )
-            for v in views:
-                if v.prefill.observations < LEARNED_AFTER:
-                    v.prefill = typical
+        if len(views) > 1:
+            typical = self._typical_prefill(views, now)
+            if typical is not None:
+                for v in views:
+                    if v.prefill.observations < LEARNED_AFTER:
+                        v.prefill = typical
         return views
+
+    def _typical_prefill(self, views: list[WorkerView], now: float) -> PrefillModel | None:
+        """The median learned prefill model, for workers the router has not yet seen
+        prefill (None when every worker has its own, or none has). It moves slowly, so it
+        is computed at most every ``TYPICAL_EVERY_S`` while the learned set is the same."""
+        learned = [v.prefill for v in views if v.prefill.observations >= LEARNED_AFTER]
+        if not learned or len(learned) == len(views):
+            return None
+        cached = self._typical
+        if cached is not None and cached[0] > now and cached[1] == len(learned):
+            return cached[2]
+        typical = PrefillModel(
+            rate=statistics.median(m.rate for m in learned),
+            overhead=statistics.median(m.overhead for m in learned),
+        )
+        self._typical = (now + TYPICAL_EVERY_S, len(learned), typical)
+        return typical
 
     def models(self) -> set[str]:
         """Every model id an up worker serves: base models and LoRA adapters."""

@@ -13,6 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublisher
@@ -554,6 +556,46 @@ def test_a_stream_counts_as_queued_until_its_first_token_however_long_the_wait()
     state.end(streamed)
     state.end(whole)
     assert state.in_flight == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["begin", "stream", "first", "end", "wait"]),
+            st.integers(0, 5000),
+            st.integers(0, 30),
+        ),
+        max_size=60,
+    )
+)
+def test_the_queued_tokens_a_decision_sees_are_those_of_the_tickets_still_queued(
+    steps: list[tuple[str, int, int]],
+) -> None:
+    """The sum a decision reads (kept up to date, not recounted each time) is always what
+    recounting the tickets would give: begun, no first token, not ended, not expired."""
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    now = 0.0
+    tickets: list[Any] = []
+    for action, tokens, pick in steps:
+        if action in ("begin", "stream"):
+            tickets.append(
+                state.begin(tokens, pick / 10, now, shows_first_token=action == "stream")
+            )
+        elif action == "wait":
+            now += pick / 4
+        elif tickets:
+            ticket = tickets[pick % len(tickets)]
+            if action == "first":
+                state.first_token(ticket, now)
+            else:
+                state.end(ticket)
+        expected = sum(
+            t.tokens
+            for t in tickets
+            if not t.ended and not t.first_token_seen and t.expires_at > now
+        )
+        assert state.queued_tokens(now) == expected
 
 
 def test_a_whole_answer_teaches_nothing_it_cannot_tell() -> None:
