@@ -1261,13 +1261,22 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.1f}x" if b > 0 and a == a and b == b else "-"
 
 
+def top_step(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The ramp's step at its highest sustained rate (its CPU figures), if any."""
+    steps = [s for s in entry["ramp"] if s["sustained"]]
+    return max(steps, key=lambda s: s["offered"]) if steps else None
+
+
 def render_cores(cores_all: dict[str, Any]) -> list[str]:
-    """The every-core table: each router given the whole machine."""
+    """The every-core table: each router given the whole machine, and where the CPU went
+    at its highest sustained rate (the router's processes, the load generator, the rest
+    of the machine: the workers and everything else)."""
     one = cores_all["kvpool_1proc"]["max_rps"]
     rows = [
         "| the whole machine to each router (load generator and workers share it) "
-        "| highest sustained rate, req/s | vs one kvpool process |",
-        "|---|---:|---:|",
+        "| highest sustained rate, req/s | vs one kvpool process "
+        "| there: router CPU per request, ms | cores: router / load generator / rest |",
+        "|---|---:|---:|---:|---:|",
     ]
     for label, name in (
         ("kvpool_1proc", "kvpool router, 1 process"),
@@ -1275,7 +1284,16 @@ def render_cores(cores_all: dict[str, Any]) -> list[str]:
         ("sglang", "SGLang router (its own threads)"),
     ):
         rate = cores_all[label]["max_rps"]
-        rows.append(f"| {name} | {rate:,.0f} | {rate / max(one, 1e-9):.2f}x |")
+        top = top_step(cores_all[label])
+        cpu, cores = "-", "-"
+        if top is not None:
+            c = top["cpu_ms_per_request"]
+            per_s = top["completed_per_s"] / 1000
+            cpu = f"{c['router']:.3f}"
+            cores = " / ".join(
+                f"{max(c.get(k, 0.0), 0.0) * per_s:.2f}" for k in ("router", "client", "others")
+            )
+        rows.append(f"| {name} | {rate:,.0f} | {rate / max(one, 1e-9):.2f}x | {cpu} | {cores} |")
     return rows
 
 
