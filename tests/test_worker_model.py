@@ -44,6 +44,8 @@ VARIANTS = {
     ),
     "llama-attention-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen2-bias": ("qwen2", {}),
+    # Qwen3-0.6B's shape in small: q/k norms, and a head_dim that is not hidden / heads
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 48, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
 }
 

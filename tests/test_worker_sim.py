@@ -73,6 +73,17 @@ def test_simulated_tokens_are_deterministic_and_never_end_early(sim: SimEngine) 
     assert not set(a.token_ids) & sim.eos_token_ids
 
 
+def test_every_simulated_token_is_text_the_client_sees(sim: SimEngine) -> None:
+    """The tiny tokenizer's end-of-turn and role tokens are special without being in
+    ``all_special_ids``; drawn, the detokenizer drops them, so an answer of one token would
+    be empty and a stream's first text would come a step late (a wrong TTFT)."""
+    tokenizer = sim.tokenizer
+    for token in sim._tokens:
+        assert tokenizer.decode([token], skip_special_tokens=True), token
+    outs = sim.generate([[7, 8, 9, p] for p in range(10, 410)], SamplingParams(max_tokens=1))
+    assert all(o.text for o in outs)
+
+
 def test_the_timing_model_rejects_negative_coefficients() -> None:
     with pytest.raises(ValueError, match="time_scale"):
         TimingModel(time_scale=-1)
@@ -128,8 +139,11 @@ def consecutive_free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports")
 
 
-def test_a_sim_fleet_hosts_many_workers_in_one_or_more_processes(llama_dir: Path) -> None:
-    count = 4
+def start_fleet(
+    llama_dir: Path, count: int, *flags: str
+) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
+    """``kvpool worker sim-fleet`` with ``count`` workers from a free port on, and the line
+    it prints for each worker, once every worker answers its health check."""
     base = consecutive_free_ports(count)
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     proc = subprocess.Popen(
@@ -145,30 +159,38 @@ def test_a_sim_fleet_hosts_many_workers_in_one_or_more_processes(llama_dir: Path
             str(base),
             "--sim-time-scale",
             "0.01",
-            "--processes",
-            "2",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
+    assert proc.stdout is not None
+    lines = [json.loads(proc.stdout.readline()) for _ in range(count)]
+    assert [x["url"] for x in lines] == [f"http://127.0.0.1:{base + i}" for i in range(count)]
+    deadline = time.monotonic() + 60
+    for line in lines:
+        while True:
+            try:
+                if httpx.get(line["url"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError(f"{line['url']} did not start:\n{proc.stdout.read()}")
+            time.sleep(0.05)
+    return proc, lines
+
+
+def test_a_sim_fleet_hosts_many_workers_in_one_or_more_processes(llama_dir: Path) -> None:
+    proc, lines = start_fleet(llama_dir, 4, "--processes", "2")
     try:
-        assert proc.stdout is not None
-        urls = [json.loads(proc.stdout.readline())["url"] for _ in range(count)]
-        assert urls == [f"http://127.0.0.1:{base + i}" for i in range(count)]
-        deadline = time.monotonic() + 60
-        for url in urls:
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    proc.kill()
-                    raise AssertionError(f"{url} did not start:\n{proc.stdout.read()!r}")
-                time.sleep(0.05)
-            r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        for line in lines:
+            r = httpx.post(
+                line["url"] + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 2
         proc.send_signal(signal.SIGTERM)
@@ -176,3 +198,41 @@ def test_a_sim_fleet_hosts_many_workers_in_one_or_more_processes(llama_dir: Path
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_router_started_after_a_sim_fleet_learns_what_it_already_holds(
+    llama_dir: Path, start_router: Any
+) -> None:
+    """Each simulated worker serves replay (on the ports after the event ports), says so
+    in /kvpool/info, and a router that comes later asks it for the blocks it holds."""
+    count = 3
+    events = consecutive_free_ports(2 * count)
+    proc, lines = start_fleet(
+        llama_dir, count, "--processes", "2", "--kv-events-base-port", str(events)
+    )
+    try:
+        for i, line in enumerate(lines):
+            replay = f"tcp://127.0.0.1:{events + count + i}"
+            assert line["kv_events_replay_endpoint"] == replay
+            info = httpx.get(line["url"] + "/kvpool/info").json()
+            assert info["kv_events"]["replay_endpoint"] == replay
+        prompt = list(range(20, 20 + 16 * 12))  # 12 full blocks
+        for line in lines[1:]:  # held before any router runs; the first worker holds none
+            r = httpx.post(
+                line["url"] + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+            )
+            assert r.status_code == 200, r.text
+        router = start_router(worker=[f"{x['url']},id=w{i}" for i, x in enumerate(lines)])
+        router.wait_for(
+            lambda: all(router.workers()[f"w{i}"]["indexed_blocks"] >= 12 for i in (1, 2)),
+            timeout=30,
+        )
+        assert router.workers()["w0"]["indexed_blocks"] == 0
+        assert router.route({"prompt": prompt, "max_tokens": 1})["worker"] in ("w1", "w2")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()

@@ -204,17 +204,23 @@ def _cmd_sim_fleet(args: argparse.Namespace) -> int:
 
     if args.count < 1 or args.processes < 1:
         raise ValueError("--count and --processes must be at least 1")
-    base = _settings_values(args, skip=("port", "engine", "kv_events_endpoint"))
+    replay_base = _replay_base_port(args)
+    base = _settings_values(args, skip=_FLEET_SKIP)
     fleet = []
     for i in range(args.count):
         values = {**base, "engine": "sim", "port": args.base_port + i}
         if args.kv_events_base_port:
             host = base.get("host", "127.0.0.1")
             values["kv_events_endpoint"] = f"tcp://{host}:{args.kv_events_base_port + i}"
-            values.pop("kv_events_replay_endpoint", None)
+            if replay_base:
+                values["kv_events_replay_endpoint"] = f"tcp://{host}:{replay_base + i}"
         fleet.append(_settings(values))
     for s in fleet:
-        line = {"url": f"http://{s.host}:{s.port}", "kv_events_endpoint": s.kv_events_endpoint}
+        line = {
+            "url": f"http://{s.host}:{s.port}",
+            "kv_events_endpoint": s.kv_events_endpoint,
+            "kv_events_replay_endpoint": s.kv_events_replay_endpoint,
+        }
         print(json.dumps(line), flush=True)
     # One process is one GIL: --processes N spreads the workers over N processes (this
     # one and N-1 children), so a fleet can use every core of the machine.
@@ -244,6 +250,23 @@ def _cmd_sim_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the settings a fleet gives each worker itself (consecutive ports)
+_FLEET_SKIP = ("port", "engine", "kv_events_endpoint", "kv_events_replay_endpoint")
+
+
+def _replay_base_port(args: argparse.Namespace) -> int | None:
+    """The first worker's replay port: as given, or by default the ports right after the
+    event ports (a router started after the fleet asks a worker's replay socket what it
+    already holds); 0 turns replay off."""
+    if args.kv_events_replay_base_port is not None:
+        if args.kv_events_replay_base_port and not args.kv_events_base_port:
+            raise ValueError("--kv-events-replay-base-port needs --kv-events-base-port")
+        return args.kv_events_replay_base_port or None
+    if args.kv_events_base_port:
+        return args.kv_events_base_port + args.count
+    return None
+
+
 def _spawn_fleet_part(
     args: argparse.Namespace, values: dict[str, Any], start: int, count: int
 ) -> subprocess.Popen[bytes]:
@@ -261,6 +284,8 @@ def _spawn_fleet_part(
     ]
     if args.kv_events_base_port:
         argv += ["--kv-events-base-port", str(args.kv_events_base_port + start)]
+        replay = _replay_base_port(args)
+        argv += ["--kv-events-replay-base-port", str(replay + start if replay else 0)]
     env = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
     for name, value in values.items():
         if name == "pool_secret":  # a command line is visible to every user of the host
@@ -333,7 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="ZMQ event port of the first (default: no events)",
     )
-    _settings_arguments(p, skip=("port", "engine", "kv_events_endpoint"))
+    p.add_argument(
+        "--kv-events-replay-base-port",
+        type=int,
+        default=None,
+        help="ZMQ replay port of the first (default: right after the event ports, "
+        "--kv-events-base-port + --count; 0: no replay)",
+    )
+    _settings_arguments(p, skip=_FLEET_SKIP)
     p.set_defaults(func=_cmd_sim_fleet)
     return parser
 

@@ -1,7 +1,8 @@
 """What the engine needs to know about a checkpoint, read from its Hugging Face ``config.json``.
 
-One class covers the Llama family: Llama 2/3, Mistral and Qwen2/2.5 differ only in flags
-(attention bias, tied embeddings, RoPE scaling), so they share one model.
+One class covers the Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 differ only in
+flags (attention bias, tied embeddings, RoPE scaling, Qwen3's RMSNorm of each head's q and
+k), so they share one model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 DTYPES = {
@@ -102,6 +104,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     sliding_window: int | None = None  # Mistral v0.1: attention limited to this many tokens
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised before RoPE
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -143,6 +146,13 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             attention_bias = bool(cfg.get("attention_bias", False))
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            layer_types = cfg.get("layer_types") or []
+            if any(t != "full_attention" for t in layer_types):
+                kinds = sorted(set(layer_types) - {"full_attention"})
+                raise ModelLoadError(
+                    f"{where}: layers of type {', '.join(map(repr, kinds))}; this engine runs "
+                    "full attention in every layer"
+                )
             return ModelConfig(
                 architecture=arch,
                 model_type=model_type,
@@ -164,6 +174,7 @@ class ModelConfig:
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
                 sliding_window=int(window) if window else None,
+                qk_norm=model_type == "qwen3",
             )
         except KeyError as exc:
             raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None

@@ -1,8 +1,9 @@
 """The Llama architecture over a flat ragged batch (no padding) and a paged KV cache.
 
-Llama 2/3, Mistral and Qwen2/2.5 share this code: RMSNorm, rotary position embeddings
-(default, linear or llama3 scaling), grouped-query attention with optional biases, a
-SwiGLU MLP and optionally tied embeddings. The projections for q/k/v and for gate/up are
+Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 share this code: RMSNorm, rotary position
+embeddings (default, linear or llama3 scaling), grouped-query attention with optional biases
+(and, in Qwen3, an RMSNorm of each head's q and k before RoPE), a SwiGLU MLP and optionally
+tied embeddings. The projections for q/k/v and for gate/up are
 fused into one matrix each, so a layer is four matrix products; :meth:`LlamaModel.weight_map`
 tells the loader which slice of which parameter each checkpoint tensor fills.
 """
@@ -81,6 +82,10 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim**-0.5
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # one weight per channel of a head, shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -94,6 +99,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(rope, q, k)
         cache = kv_cache[self.layer]
         out = paged_attention(q, k, v, cache[0], cache[1], meta, self.scale)
@@ -201,6 +208,11 @@ class LlamaModel(nn.Module):
                     rows = slice(start, start + n)
                     linear(f"{src}.{module}.{name}_proj", f"{dst}.{target}", n, h, bias, rows)
             linear(f"{src}.self_attn.o_proj", f"{dst}.self_attn.o_proj", h, q, c.o_bias)
+            if c.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    out[f"{src}.self_attn.{norm}.weight"] = TensorTarget(
+                        f"{dst}.self_attn.{norm}.weight", None, (c.head_dim,)
+                    )
             linear(f"{src}.mlp.down_proj", f"{dst}.mlp.down_proj", h, inter, c.mlp_bias)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 out[f"{src}.{norm}.weight"] = TensorTarget(f"{dst}.{norm}.weight", None, (h,))

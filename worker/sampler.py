@@ -11,6 +11,7 @@ be chosen.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,20 +50,23 @@ def sample(
         idx = torch.tensor(random_rows, device=logits.device)
         sub = logits[idx]
         temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
-        sub = sub / temps[:, None]
+        # Temperatures over SAMPLING_EPS keep real logits finite; a logit that still
+        # overflows is the largest float, never inf (inf - inf is NaN in softmax).
+        sub = torch.nan_to_num(sub / temps[:, None], nan=-math.inf, neginf=-math.inf)
         sub = _top_k_top_p(sub, [params[i] for i in random_rows])
         probs = torch.softmax(sub, dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(random_rows):
             noise[row].exponential_(generator=generators[i] or default_generator)
-        chosen[idx] = (probs / noise).argmax(-1)
+        # A zero draw would make 0 / 0 (NaN, which arg-max takes) of a banned token.
+        chosen[idx] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
     token_ids = chosen.tolist()
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * rows
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
         idx = torch.tensor(wanted, device=logits.device)
         lp = torch.log_softmax(raw[idx], dim=-1)
-        n = max(params[i].logprobs or 0 for i in wanted)
+        n = min(max(params[i].logprobs or 0 for i in wanted), lp.shape[-1])
         picked = lp.gather(1, chosen[idx][:, None]).squeeze(1).cpu().tolist()
         top_vals: list[list[float]] = [[] for _ in wanted]
         top_ids: list[list[int]] = [[] for _ in wanted]
@@ -88,5 +92,6 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # mass of the tokens ranked above this one
     drop |= before >= torch.tensor(top_p, device=logits.device)[:, None]
+    drop[:, 0] = False  # the most likely token stays (a top_p that rounds to 0 in float32)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

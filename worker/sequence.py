@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +21,15 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+#: temperatures at or below this are greedy, as in vLLM and SGLang (dividing logits by
+#: 1e-40 would overflow them to infinity, and softmax to NaN)
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy."""
+    """How to pick tokens and when to stop. A temperature of at most
+    :data:`SAMPLING_EPS` (0 too) is greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,6 +49,7 @@ class SamplingParams:
             self.stop = [self.stop]
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (math.isfinite(self.temperature), "temperature", "must be a finite number"),
             (self.temperature >= 0, "temperature", "must not be negative"),
             (self.top_k >= -1, "top_k", "must be -1, 0 (off) or a positive count"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
@@ -56,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature <= SAMPLING_EPS or self.top_k == 1
 
 
 class Status(enum.Enum):

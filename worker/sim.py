@@ -112,9 +112,11 @@ class SimEngine(EngineCore):
         ordinary = range(vocab_size)
         if tokenizer is not None:
             special |= set(getattr(tokenizer, "all_special_ids", []))
-            # ... and only tokens that are text by themselves (not a piece of a UTF-8
-            # character), so every simulated token streams at once, as TTFT assumes.
-            texts = tokenizer.batch_decode([[t] for t in ordinary])
+            # ... and only tokens that are text by themselves, as the client gets them
+            # (special tokens skipped: a chat template's role and end-of-turn tokens are
+            # special without being in all_special_ids; a piece of a UTF-8 character is
+            # nothing yet), so every simulated token streams at once, as TTFT assumes.
+            texts = tokenizer.batch_decode([[t] for t in ordinary], skip_special_tokens=True)
             ordinary = [
                 t for t, text in zip(ordinary, texts, strict=True) if text and "\ufffd" not in text
             ]

@@ -84,6 +84,7 @@ def write_tokenizer(model_dir: str | Path, vocab_size: int = 512) -> Any:
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
 
