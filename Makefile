@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index run demo crd dashboards chart clean
+.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index bench-sim-calibration run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -38,6 +38,7 @@ pytest: install
 
 bench: install
 	$(PY) bench/hashing.py
+	$(PY) bench/sim_calibration.py
 	$(PY) bench/engine.py
 	$(PY) bench/kv_transfer.py
 	$(PY) bench/sim_fleet.py
@@ -62,6 +63,10 @@ bench-affinity: install
 # Two router replicas sharing their load against one router (groups, one-system-prompt).
 bench-replicas: install
 	$(PY) bench/routing.py --replicas
+
+# The simulated engine's timing model beside published measurements of real engines.
+bench-sim-calibration: install
+	$(PY) bench/sim_calibration.py
 
 # The block index at fleet scale: bytes per entry, event apply rate, the stall of clearing
 # a 1M-block worker, decision time; the previous index in the same run.

@@ -471,6 +471,11 @@ class EngineCore:
         """The KV bytes of blocks, block after block, in :attr:`kv_layout`."""
         raise NotImplementedError
 
+    def transfer_seconds(self, tokens: int) -> float:
+        """How much longer a hand-off of ``tokens`` tokens' KV takes than its bytes did:
+        nothing for an engine whose bytes are real (the simulated one prices its own)."""
+        return 0.0
+
     def import_blocks(
         self,
         prompt_token_ids: Sequence[int],

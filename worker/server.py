@@ -634,6 +634,11 @@ class WorkerServer:
             header, data = await pull_blocks(
                 self._http, url, timeout=self.settings.kv_transfer_timeout_s, headers=auth
             )
+            # What the bytes would take on the wire (a simulated engine's; a real one's
+            # took their time already), waited out here, not in the engine's step.
+            delay = engine.transfer_seconds(len(header.block_hashes) * header.block_size)
+            if delay > 0:
+                await asyncio.sleep(delay)
             mine = engine.kv_layout
             theirs = (header.dtype, header.block_shape, header.layout, header.block_size)
             ours = (mine.dtype, mine.block_shape, mine.layout, engine.pool.block_size)

@@ -68,6 +68,8 @@ class WorkerSettings(BaseModel):
     sim_e: float = TimingModel.e
     sim_f: float = TimingModel.f
     sim_time_scale: float = Field(TimingModel.time_scale, ge=0)
+    sim_kv_bytes_per_token: int = Field(TimingModel.kv_bytes_per_token, ge=0)
+    sim_transfer_gb_s: float = Field(TimingModel.transfer_gb_s, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
@@ -113,6 +115,8 @@ class WorkerSettings(BaseModel):
             self.sim_e,
             self.sim_f,
             self.sim_time_scale,
+            self.sim_kv_bytes_per_token,
+            self.sim_transfer_gb_s,
         )
 
     def advertised_host(self) -> str:

@@ -5,17 +5,35 @@ A step takes as long as an 8B-class model on one H100 would take for the same ba
 produces deterministic pseudo-random tokens. The router's tests and benchmarks run many of
 these on a 2-core machine and see the cache hits, queueing and latencies of a real fleet.
 
-The timing model, in milliseconds, for a step whose prefill sequences compute ``T_i``
-uncached tokens and whose ``B`` decoding sequences hold ``C`` context tokens in all::
+The timing model prices a step as one pass of the model over all its rows, in
+milliseconds. Row ``i`` computes ``T_i`` new tokens on top of ``P_i`` tokens already in the
+cache (a cached prefix, earlier chunks, or its output so far); a *decode* row computes one
+token after its prompt, every other row is a *prefill* row (a prompt, a chunk of one, or the
+recomputation of a preempted request, output included)::
 
-    prefill = a + b * sum(T_i) + c * sum(T_i ** 2)      (if any prefill)
-    decode  = d + e * B + f * C                        (if any decode)
-    step    = (prefill + decode) * time_scale
+    overhead  = a if any prefill row else d            (one per step, mixed or not)
+    linear    = b * sum(T_i, prefill rows) + e * (decode rows)
+    attention = sum over rows of c * (2 * T_i * P_i + T_i ** 2) + f * (P_i + T_i)
+    step      = (overhead + linear + attention) * time_scale
 
-a, b and c are a published fit of Llama-3-8B prefill on an H100. d, e and f follow from
-the hardware: d is the weights (16 GB in bf16) read once per step at 3.35 TB/s plus launch
-overhead, f is one context token's KV (128 KiB: 32 layers x 8 KV heads x 128 x 2 x bf16)
-read at the same bandwidth, e is per-sequence sampling and bookkeeping.
+The attention term is compute (``c``: one query attending to one earlier token, twice,
+so a cold prompt's causal attention is ``c * T**2``) and memory (``f``: one context
+token's KV read once per step). A decode row's is ``f`` per context token, as before; a
+chunk after 30k cached tokens pays for attending to them.
+
+The coefficients are Llama-3-8B's in bf16 on one H100, calibrated against published
+measurements of vLLM and SGLang (``bench/sim_calibration.py`` lists each source, the
+scenario that reproduces it, and the model's error). b, 32 us per prefill token, is
+SGLang's prefill rate on ~4k-token prompts (about 47% of the H100's bf16 peak for 15 GFLOP
+a token); d, 7.2 ms a decode step, is vLLM's time per output token at batch 10 (the
+weights, 16 GB, read at 3.35 TB/s take 4.8 ms of it); a is a prefill step's fixed cost;
+c is attention's compute (524k FLOPs per query and key, twice, at the same efficiency);
+f is one context token's KV (128 KiB: 32 layers x 8 KV heads x 128 x 2 x bf16) read at
+3.35 TB/s; e is per-sequence sampling and bookkeeping.
+
+A prefill/decode hand-off moves ``kv_bytes_per_token`` bytes per token of the blocks
+pulled, over ``transfer_gb_s`` (a 400 Gb/s NIC per GPU by default, as in a DGX H100): the
+decode worker waits that long for the bytes, outside the engine step, as with NIXL.
 """
 
 from __future__ import annotations
@@ -39,39 +57,59 @@ DEFAULT_SIM_BLOCKS = 28_000
 
 @dataclass
 class TimingModel:
-    a: float = 16.5  # ms per prefill step
-    b: float = 1.518e-2  # ms per prefill token
-    c: float = 4.21e-7  # ms per prefill token squared (attention)
-    d: float = 6.0  # ms per decode step
+    a: float = 16.5  # ms per step with prefill rows
+    b: float = 3.24e-2  # ms per prefill token (calibrated: SGLang's prefill rate)
+    c: float = 4.21e-7  # ms per (new token, earlier token) pair, half of it (attention)
+    d: float = 7.2  # ms per step of decode rows only (calibrated: vLLM's TPOT at batch 10)
     e: float = 0.03  # ms per decoding sequence
     f: float = 4.0e-5  # ms per context token read
     time_scale: float = 1.0  # 0.5: everything twice as fast
+    kv_bytes_per_token: int = 131_072  # Llama-3-8B in bf16
+    transfer_gb_s: float = 50.0  # a hand-off's bytes, GB/s
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c", "d", "e", "f", "time_scale"):
+        for name in ("a", "b", "c", "d", "e", "f", "time_scale", "kv_bytes_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"timing model {name}={getattr(self, name)} must not be negative")
+        if not self.transfer_gb_s > 0:
+            raise ValueError(f"timing model transfer_gb_s={self.transfer_gb_s} must be positive")
 
-    def prefill_ms(self, tokens: Sequence[int]) -> float:
-        """One step's prefill work: ``tokens`` holds each sequence's uncached tokens."""
-        if not tokens:
+    def step_ms(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
+        """One step: ``prefill`` holds each prefill row's (new tokens, tokens before
+        them in the cache), ``decode`` each decode row's context before its new token."""
+        if not prefill and not decode:
             return 0.0
-        return self.a + self.b * sum(tokens) + self.c * sum(t * t for t in tokens)
+        ms = self.a if prefill else self.d
+        c, f = self.c, self.f
+        for t, p in prefill:
+            ms += self.b * t + c * (2 * t * p + t * t) + f * (p + t)
+        for p in decode:
+            ms += self.e + c * (2 * p + 1) + f * (p + 1)
+        return ms
 
-    def decode_ms(self, batch: int, context: int) -> float:
-        return self.d + self.e * batch + self.f * context if batch else 0.0
+    def prefill_ms(self, tokens: Sequence[int], cached: Sequence[int] | None = None) -> float:
+        """A step of prefill rows alone: ``tokens`` each row's new tokens, ``cached`` the
+        tokens before them (none by default)."""
+        return self.step_ms(list(zip(tokens, cached or [0] * len(tokens), strict=True)), [])
+
+    def decode_ms(self, contexts: Sequence[int]) -> float:
+        """A step of decode rows alone, each over its context (tokens before its new one)."""
+        return self.step_ms([], contexts)
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
-        prefill: list[int] = []
-        decode = context = 0
+        prefill: list[tuple[int, int]] = []
+        decode: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:  # a prompt, or a chunk of one
-                prefill.append(n)
-            else:
-                decode += 1
-                context += seq.num_computed_tokens + n
-        ms = self.prefill_ms(prefill) + self.decode_ms(decode, context)
-        return ms * self.time_scale / 1000.0
+            done = seq.num_computed_tokens
+            if n == 1 and done >= seq.num_prompt_tokens:
+                decode.append(done)
+            else:  # a prompt, a chunk of one, or a recomputation after preemption
+                prefill.append((n, done))
+        return self.step_ms(prefill, decode) * self.time_scale / 1000.0
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """How long a hand-off of ``tokens`` tokens' KV takes to arrive."""
+        return tokens * self.kv_bytes_per_token / (self.transfer_gb_s * 1e9) * self.time_scale
 
 
 class SimEngine(EngineCore):
@@ -189,6 +227,9 @@ class SimEngine(EngineCore):
                     lp = (0.0, [(token, 0.0)][: seq.params.logprobs])
                 out.append((seq, token, lp))
         return out
+
+    def transfer_seconds(self, tokens: int) -> float:
+        return self.timing.transfer_seconds(tokens)
 
     # The simulated cache holds hashes, not bytes: a hand-off moves the header only.
     @property
