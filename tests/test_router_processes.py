@@ -134,6 +134,33 @@ def test_error_before_the_first_byte_is_retried_unseen_in_every_process(
     )
 
 
+def test_every_process_explains_a_decision_by_what_any_process_routed(
+    llama_dir: Path,
+    fake_workers: Callable[[int], list[FakeWorker]],
+    start_router: Callable[..., RunningRouter],
+) -> None:
+    """/debug/route, answered by whichever process takes the connection, names the worker
+    another process just sent the same long prompt to, with its cached tokens and why:
+    the processes share what they routed, and each explains the same decision."""
+    a, b = fake_workers(2)
+    router = start_router(worker=[a.spec("a"), b.spec("b")], processes=2)
+    router.wait_workers_up(2)
+    prompt = " ".join(f"word{i}" for i in range(400))  # well over a few blocks
+    sent = httpx.post(
+        router.url + "/v1/completions",
+        json={"model": llama_dir.name, "prompt": prompt, "max_tokens": 4},
+        timeout=10,
+    )
+    assert sent.status_code == 200, sent.text
+    worker = sent.headers["x-kvpool-worker"]
+    answers = [router.route({"model": llama_dir.name, "prompt": prompt}) for _ in range(12)]
+    assert {x["process"] for x in answers} == {0, 1}  # both processes answered
+    for route in answers:
+        assert route["worker"] == worker, route["explanation"]
+        assert route["cached_tokens"] > 0 and route["reason"].startswith("prefix")
+        assert worker in route["explanation"]
+
+
 def test_failure_mid_stream_and_a_client_leaving_release_everything(
     llama_dir: Path, one_fake: Callable[..., tuple[FakeWorker, RunningRouter, str]]
 ) -> None:
