@@ -16,7 +16,7 @@ Two ways in, which must agree exactly:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -60,10 +60,23 @@ def hash_block(
     return _sha256_cbor((parent, token_ids, extra_keys))
 
 
-#: Digests of recently hashed blocks. Prompts share prefixes (system prompts, earlier turns),
-#: so most of a prompt's blocks were hashed moments ago: a lookup costs a fifth of a
-#: sha256 over CBOR. ~300 bytes an entry, so at most ~20 MB.
-_recent_block = lru_cache(maxsize=1 << 16)(hash_block)
+#: What the digests of recently hashed blocks may take, in bytes. Prompts share prefixes
+#: (system prompts, earlier turns), so most of a prompt's blocks were hashed moments ago: a
+#: lookup costs a fifth of a sha256 over CBOR.
+RECENT_BLOCKS_BYTES = 32 * 2**20
+
+
+def recent_entry_bytes(block_size: int) -> int:
+    """What one cached block digest costs (CPython 3.11, measured): the key's tuple of
+    token ids (a slot and an int object each), the parent and the digest, the cache's
+    node; about 950 bytes at block size 16 and 5.4 KB at 128."""
+    return 330 + 40 * block_size
+
+
+@lru_cache(maxsize=8)  # one cache per block size in use (a process has one or two)
+def _recent_blocks(block_size: int) -> Callable[..., bytes]:
+    entries = max(1, RECENT_BLOCKS_BYTES // recent_entry_bytes(block_size))
+    return lru_cache(maxsize=entries)(hash_block)
 
 
 def block_key(digest: bytes) -> int:
@@ -136,9 +149,10 @@ class BlockHasher:
         tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
         digests: list[bytes] = []
         parent = self.root
+        recent = _recent_blocks(size)
         for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
             extra = block_extra_keys(index, lora_name, cache_salt)
-            parent = _recent_block(parent, tuple(tokens[start : start + size]), extra)
+            parent = recent(parent, tuple(tokens[start : start + size]), extra)
             digests.append(parent)
         return digests
 

@@ -401,7 +401,9 @@ class Router:
             "chat" if "messages" in obj else "responses" if "input" in obj else "completion"
         )
         routed = await self._parse(request, body, kind, check_model=False)
-        return JSONResponse(route_answer(routed, self._plan(routed, dry_run=True)))
+        answer = route_answer(routed, self._plan(routed, dry_run=True))
+        answer["process"] = self.slot.index  # which of --processes N answered
+        return JSONResponse(answer)
 
     async def passthrough(self, request: Request) -> Response:
         """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy

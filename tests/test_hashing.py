@@ -158,3 +158,30 @@ def test_scheme_mismatch_is_reported_with_both_sides() -> None:
 def test_bad_hasher_settings_are_refused_clearly(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BlockHasher(**kwargs)
+
+
+def test_the_recent_block_cache_is_bounded_in_bytes_at_any_block_size() -> None:
+    """A router hashing many distinct prompts keeps at most ~RECENT_BLOCKS_BYTES of
+    recent digests, whatever the block size: counted in entries, the same cache held
+    ~60 MiB at block size 16 and ~340 MiB at 128."""
+    import gc
+    import tracemalloc
+
+    from kvpool.hashing import RECENT_BLOCKS_BYTES, _recent_blocks
+
+    hasher = BlockHasher(block_size=128, hash_seed="bounded-cache-test")
+    _recent_blocks(128).cache_clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for p in range(100):  # 100 prompts of 128 distinct blocks: 12,800 digests
+            base = 1_000 + p * 128 * 128  # ids above 256: int objects, as in real prompts
+            hasher.hash_prompt(list(range(base, base + 128 * 128)))
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        _recent_blocks(128).cache_clear()
+    assert grown <= 1.25 * RECENT_BLOCKS_BYTES, f"{grown / 2**20:.0f} MiB"
+    assert _recent_blocks(128).cache_info().maxsize < 12_800
