@@ -375,3 +375,69 @@ def test_an_abort_sends_the_text_held_back_for_a_possible_stop_string(engine_fac
     token_ids = [t for o in outputs for t in o.new_token_ids]
     assert "".join(o.new_text for o in outputs) == engine.tokenizer.decode(token_ids)
     assert outputs[-1].new_text  # the held-back tail came with the abort
+
+
+def _hand_off(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], *, hold: bool = True):
+    """Prefill ``prompt`` on one engine with its blocks pinned, import them into the other
+    for a request of the same prompt (held for it unless ``hold`` is off); that request,
+    prepared and not yet queued."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prepared = prefill.prepare(prompt, params, "leg", pin_blocks=True)
+    prefill.submit(prepared, stream := _Sink())
+    while prefill.has_unfinished():
+        prefill.step()
+    pin = prefill.pinned("leg")
+    assert pin is not None and stream.done
+    data = bytes(prefill.read_blocks(pin.block_ids))
+    mine = decode.prepare(prompt, GREEDY, "decode")
+    decode.import_blocks(prompt, pin.block_keys, data, hold_for=mine.seq if hold else None)
+    return mine
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.outputs: list = []
+        self.done = False
+
+    def put(self, output) -> None:
+        self.outputs.append(output)
+        self.done = self.done or output.finished
+
+
+def test_a_handed_off_prompt_keeps_its_blocks_and_computes_its_last_token_only(
+    engine_factory,
+) -> None:
+    """The issue's repro: 20 blocks (320 tokens) imported into a 40-block decode pool,
+    then a competing request. The imported blocks belong to the request they are for, so
+    the competitor cannot evict them; the request finds 319 of its 320 tokens cached and
+    answers as a worker that computed it all would."""
+    prompt = [3 + (i * 7) % 500 for i in range(320)]
+    (expected,) = tokens(engine_factory(num_blocks=64), [prompt])
+    for hold, cached in ((True, 319), (False, None)):
+        prefill, decode = engine_factory(num_blocks=64), engine_factory(num_blocks=40)
+        mine = _hand_off(prefill, decode, prompt, hold=hold)
+        rival = [7 + (i * 11) % 500 for i in range(500)]  # 32 blocks: more than is free
+        decode.submit(decode.prepare(rival, GREEDY, "rival"), _Sink())
+        decode.step()
+        decode.submit(mine, sink := _Sink())
+        while decode.has_unfinished():
+            decode.step()
+        out = [o for o in sink.outputs if o.finished][-1]
+        got = [t for o in sink.outputs for t in o.new_token_ids]
+        if hold:
+            assert out.num_cached_tokens == cached
+            assert got == expected
+        else:  # as before: the rival evicted most of them, and it recomputed silently
+            assert out.num_cached_tokens < 304
+
+
+def test_a_handed_off_request_that_never_runs_gives_its_blocks_back(engine_factory) -> None:
+    prompt = list(range(10, 10 + 64))
+    prefill, decode = engine_factory(num_blocks=64), engine_factory(num_blocks=40)
+    free = decode.pool.num_free
+    mine = _hand_off(prefill, decode, prompt)
+    assert decode.pool.num_free < free and mine.seq.held_block_ids
+    decode.release_held(mine.seq)
+    assert not mine.seq.held_block_ids and mine.seq.imported_last is None
+    decode.reset_prefix_cache()
+    assert decode.pool.num_free == free

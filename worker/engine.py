@@ -484,13 +484,16 @@ class EngineCore:
         *,
         cache_salt: str | None = None,
         digests: Sequence[bytes] | None = None,
+        hold_for: Seq | None = None,
     ) -> int:
         """Store blocks computed by a prefill worker in this cache, as cached prefix blocks
         (published as ``BlockStored``); a request for the same prompt admitted next finds
         them. The keys must match this engine's own hashes of the prompt (same model, block
         size and seed), or nothing is stored. ``digests``: the prompt's hash chain if the
         caller has it already (hashing a long prompt here would hold up the engine).
-        Returns how many blocks are now cached."""
+        ``hold_for``: the request they are for; it holds them (they cannot be evicted)
+        until it is admitted, or until :meth:`release_held`. Returns how many blocks are
+        now cached."""
         size = self.pool.block_size
         n = len(block_keys)
         if n > len(prompt_token_ids) // size:
@@ -509,15 +512,20 @@ class EngineCore:
         if len(data) != n * block_bytes:
             raise ValueError(f"expected {n * block_bytes} bytes of KV, got {len(data)}")
         view = memoryview(data)
+        # A prompt that ends on a block boundary: its last block goes to a block of the
+        # request's own, not to the prefix cache, so that only its last token is computed
+        # here (it is written into that block again, which no other request reads).
+        own_last = hold_for is not None and n > 0 and n * size == len(prompt_token_ids)
+        shared = n - 1 if own_last else n
         with self._lock:
-            prefix = self.pool.lookup(digests)
+            prefix = self.pool.lookup(digests[:shared])
             have = len(prefix)
             # Hold the cached prefix while allocating, or the allocation could evict it
             # (and the stored blocks would hang off a parent the index no longer has).
             self.pool.touch(prefix)
             # Keep one block for the prompt's tail, which the request computes here.
             room = max(0, self.pool.num_free - 1)
-            end = have + min(n - have, room)
+            end = have + min(shared - have, room)
             if end > have:
                 block_ids = self.pool.allocate(end - have)
                 self._write_blocks(block_ids, view[have * block_bytes : end * block_bytes])
@@ -527,10 +535,29 @@ class EngineCore:
                     [prompt_token_ids[j * size : (j + 1) * size] for j in range(have, end)],
                     digests[have - 1] if have else None,
                 )
+            else:
+                held = []
+            if hold_for is not None:  # the request keeps them until it is admitted
+                self.pool.free(list(reversed(hold_for.held_block_ids)))
+                hold_for.held_block_ids = prefix + held
+                if own_last and end == shared and self.pool.num_free:
+                    if hold_for.imported_last is not None:
+                        self.pool.free([hold_for.imported_last])
+                    (last,) = self.pool.allocate(1)
+                    self._write_blocks([last], view[shared * block_bytes : n * block_bytes])
+                    hold_for.imported_last = last
+                    end += 1
+            else:
                 self.pool.free(list(reversed(held)))
-            self.pool.free(list(reversed(prefix)))
+                self.pool.free(list(reversed(prefix)))
             self._flush_events()
             return end
+
+    def release_held(self, seq: Seq) -> None:
+        """Let go of blocks imported for a request that will not run (its client left
+        before it was queued)."""
+        with self._lock:
+            self.scheduler.release_held(seq)
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
         raise NotImplementedError

@@ -101,18 +101,26 @@ class Scheduler:
             return batch  # memory is short: admit nobody new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # The last prompt token is always computed, so that there are logits to sample.
-            limit = (seq.num_tokens - 1) // self.pool.block_size
-            cached = self.pool.lookup(seq.hash_chain.digests[:limit])
-            evictable_hits = sum(self.pool.blocks[b].ref_count == 0 for b in cached)
-            computed = len(cached) * self.pool.block_size
-            n = min(seq.num_tokens - computed, budget)
-            need = self._blocks_for(computed + n) - len(cached)
-            if need > self.pool.num_free - evictable_hits:
-                break
-            self.waiting.popleft()
+            plan = self._admission(seq, budget)
+            if plan is None:
+                # The head does not fit. A hand-off waiting behind it holds its imported
+                # blocks, which may be the memory the head needs: it goes first when it
+                # fits (it needs next to nothing), runs, and gives them back.
+                for other in self.waiting:
+                    if other.held_block_ids or other.imported_last is not None:
+                        plan = self._admission(other, budget)
+                        if plan is not None:
+                            seq = other
+                            break
+                if plan is None:
+                    break
+            self.waiting.remove(seq)
+            cached, own, computed, n, need = plan
             self.pool.touch(cached)
-            seq.block_ids = cached + self.pool.allocate(need)
+            if own:
+                seq.imported_last = None  # the request's block now
+            self.release_held(seq)  # imported for it: its own references hold them now
+            seq.block_ids = cached + own + self.pool.allocate(need)
             seq.num_computed_tokens = computed
             seq.num_cached_blocks = len(cached)
             if not seq.admitted:  # a preempted request's return is not a new query
@@ -129,6 +137,30 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         return batch
+
+    def _admission(
+        self, seq: Sequence, budget: int
+    ) -> tuple[list[int], list[int], int, int, int] | None:
+        """How ``seq`` would be admitted now: its cached blocks, a hand-off's own last
+        block, the tokens already computed, the tokens to compute this step, and the blocks
+        to allocate; None if the pool cannot take it."""
+        # The last prompt token is always computed, so that there are logits to sample.
+        size = self.pool.block_size
+        limit = (seq.num_tokens - 1) // size
+        cached = self.pool.lookup(seq.hash_chain.digests[:limit])
+        evictable_hits = sum(self.pool.blocks[b].ref_count == 0 for b in cached)
+        computed = len(cached) * size
+        # A hand-off's last block, imported into a block of its own: with every block
+        # before it cached, only the last token is left to compute.
+        last = seq.imported_last
+        own: list[int] = []
+        if last is not None and len(cached) == limit and seq.num_tokens == (limit + 1) * size:
+            own, computed = [last], seq.num_tokens - 1
+        n = min(seq.num_tokens - computed, budget)
+        need = self._blocks_for(computed + n) - len(cached) - len(own)
+        if need > self.pool.num_free - evictable_hits:
+            return None
+        return cached, own, computed, n, need
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """After a step: give the request's newly full, computed blocks their hashes (the
@@ -156,6 +188,16 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
+        self.release_held(seq)  # ended before it was admitted
+
+    def release_held(self, seq: Sequence) -> None:
+        """Free what a hand-off imported for ``seq`` and it has not taken over."""
+        if seq.held_block_ids:
+            self.pool.free(list(reversed(seq.held_block_ids)))
+            seq.held_block_ids = []
+        if seq.imported_last is not None:
+            self.pool.free([seq.imported_last])
+            seq.imported_last = None
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
 

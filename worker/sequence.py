@@ -96,6 +96,12 @@ class Sequence:
     output_text: str = ""
     token_seed: int = 0  # the simulated engine's output tokens derive from it
     pin_blocks: bool = False  # a prefill for a decode worker: keep its blocks when done
+    #: blocks imported from a prefill worker for this request, held (referenced) until it
+    #: is admitted, so that no other request's allocation evicts them meanwhile
+    held_block_ids: list[int] = field(default_factory=list)
+    #: the imported KV of a block-aligned prompt's last block, in a block of its own (not
+    #: in the prefix cache): admitted with it, the request computes its last token only
+    imported_last: int | None = None
     traced: bool = False  # tracing is on: note when it is first scheduled
     scheduled_at: float | None = None  # time.monotonic() of its first admission, if traced
 

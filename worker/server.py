@@ -650,6 +650,7 @@ class WorkerServer:
                     header.block_hashes,
                     data,
                     digests=prepared.seq.hash_chain.digests,  # hashed already, off the engine
+                    hold_for=prepared.seq,  # nobody evicts them before it is admitted
                 )
             )
             metrics.kv_pull_seconds.observe(time.monotonic() - start)
@@ -1043,17 +1044,21 @@ class WorkerServer:
     async def _start(self, job: _Job) -> None:
         """Hand the job's requests to the engine now (a decode leg pulls its prefill first),
         so the engine works while the response is being set up."""
-        _, loop, _ = self._ready()
+        engine, loop, _ = self._ready()
         trace = job.trace
         for i, prepared in enumerate(job.prepared):
             t = job.transfer
             if t is not None and t.do_remote_prefill:
-                if trace is None:
-                    await self._pull_remote_prefill(prepared, t)
-                else:
-                    start = time.monotonic()
-                    stored = await self._pull_remote_prefill(prepared, t)
-                    trace.kv_pull = (start, time.monotonic(), stored)
+                try:
+                    if trace is None:
+                        await self._pull_remote_prefill(prepared, t)
+                    else:
+                        start = time.monotonic()
+                        stored = await self._pull_remote_prefill(prepared, t)
+                        trace.kv_pull = (start, time.monotonic(), stored)
+                except BaseException:  # the client left: the blocks it holds go back
+                    loop.call_soon(engine.release_held, prepared.seq)
+                    raise
             if trace is not None and not trace.submitted:
                 trace.submitted = time.monotonic()
             job.unfinished.add(prepared.request_id)
