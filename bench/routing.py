@@ -971,9 +971,13 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
         "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "
         "TTFT (client TTFT less the workers' own: router, HTTP, client), median over "
-        f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms, SGLang's "
-        f"{overhead['sglang-router']:.0f} ms.\n\n"
-        "The issue's goals for kvpool's default policy. Held: no worse figure at any rate. "
+        f"the runs: kvpool's router {overhead['kvpool router']:.0f} ms"
+        + (
+            f", SGLang's {overhead['sglang-router']:.0f} ms.\n\n"
+            if math.isfinite(overhead.get("sglang-router", math.nan))
+            else " (no SGLang router in this run).\n\n"
+        )
+        + "The issue's goals for kvpool's default policy. Held: no worse figure at any rate. "
         f"Held within noise: none worse by more than one configuration's run-to-run spread "
         f"on this machine ({NOISE_TTFT:.0%} of TTFT p90, {NOISE_HIT * 100:.0f} points of hit "
         "ratio; bench/README.md). The misses and their sizes are under each table.\n\n"
