@@ -138,7 +138,6 @@ class WorkerState(WorkerLoad):
         endpoint = self.endpoint
         up = self.status == "up"
         waiting = self.waiting
-        breaker = self.breaker
         return WorkerView(
             endpoint.id,
             endpoint.role,
@@ -146,10 +145,10 @@ class WorkerState(WorkerLoad):
             self.models,
             up,
             endpoint.draining,
-            breaker.failures >= breaker.threshold and now < breaker.open_until,
+            self.breaker.is_open(now),
             self.compatible,
             self.in_flight + self.peer_in_flight,
-            (self.queued_tokens(now) if self.queued else 0) + self.peer_queued,
+            self.queued_tokens(now) + self.peer_queued,
             self.kv_usage if fresh else None,
             None if waiting is None or not fresh else int(waiting),
             self.prefill,
@@ -274,12 +273,11 @@ class WorkerPool:
         # A worker the router has not yet seen prefill is assumed to be like its peers
         # (same model, same hardware), not like the static prior: a prior slower than
         # the pool would keep a new or idle worker out of rotation for good.
-        if len(views) > 1:
-            typical = self._typical_prefill(views, now)
-            if typical is not None:
-                for v in views:
-                    if v.prefill.observations < LEARNED_AFTER:
-                        v.prefill = typical
+        typical = self._typical_prefill(views, now)
+        if typical is not None:
+            for v in views:
+                if v.prefill.observations < LEARNED_AFTER:
+                    v.prefill = typical
         return views
 
     def _typical_prefill(self, views: list[WorkerView], now: float) -> PrefillModel | None:

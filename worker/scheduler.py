@@ -188,6 +188,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
         self.release_held(seq)  # ended before it was admitted
 
     def release_held(self, seq: Sequence) -> None:
@@ -198,8 +200,6 @@ class Scheduler:
         if seq.imported_last is not None:
             self.pool.free([seq.imported_last])
             seq.imported_last = None
-        seq.num_computed_tokens = 0
-        seq.num_cached_blocks = 0
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted request out and free its blocks now."""
