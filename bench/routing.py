@@ -387,7 +387,7 @@ class Fleet:
 
 def start_fleet(args: argparse.Namespace, model: Path, tmp: Path) -> Fleet:
     n = args.workers
-    base = free_ports(2 * n)  # one range, so that the two cannot overlap
+    base = free_ports(3 * n)  # one range for the HTTP, event and replay ports (events + n)
     events = base + n
     argv = [*KVPOOL, "worker", "sim-fleet", "--model", str(model), "--count", str(n)]
     argv += ["--base-port", str(base), "--kv-events-base-port", str(events)]

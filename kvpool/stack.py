@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,10 +101,20 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
 
 
 def healthy(url: str) -> bool:
-    """Whether the server at ``url`` answers ``/health`` with 200 within a second."""
+    """Whether the server at ``url`` answers ``/health`` with 200 within a second;
+    :class:`StackError` when it answers that its model failed to load (a worker stays up,
+    unready, with the reason: waiting longer cannot help)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=1) as resp:
             return resp.status == 200
+    except urllib.error.HTTPError as exc:
+        try:
+            error = json.loads(exc.read())["error"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if isinstance(error, dict) and error.get("code") == "load_failed":
+            raise StackError(f"{url}: {error.get('message')}") from None
+        return False
     except OSError:
         return False
 
@@ -162,14 +173,17 @@ class Stack:
         worker_env = _env(KVPOOL_POOL_SECRET=secret)
         worker_env.pop("KVPOOL_POOL_SECRET_FILE", None)
         if self.engine == "sim":  # one process hosts the whole simulated fleet
-            base, events = free_port_range(self.workers), free_port_range(self.workers)
-            ports = list(range(base, base + self.workers))
+            # one range for the HTTP, event and replay ports, so that none overlaps another
+            n = self.workers
+            base = free_port_range(3 * n)
+            ports, events, replay = list(range(base, base + n)), base + n, base + 2 * n
             self.procs.append(
                 subprocess.Popen(
                     _kvpool(
                         "worker", *verbose, "sim-fleet", "--model", str(self.model),
                         "--count", str(self.workers), "--base-port", str(base),
                         "--kv-events-base-port", str(events),
+                        "--kv-events-replay-base-port", str(replay),
                         "--num-blocks", str(self.num_blocks),
                     ),
                     env=worker_env, stdout=quiet, stderr=None, start_new_session=True,
@@ -210,7 +224,11 @@ class Stack:
             if any(p.poll() is not None for p in self.procs):
                 self.stop()
                 raise StackError(f"a process of the stack exited while the {what} started")
-            pending = [u for u in pending if not healthy(u)]
+            try:
+                pending = [u for u in pending if not healthy(u)]
+            except StackError:
+                self.stop()
+                raise
             if pending and time.monotonic() > deadline:
                 self.stop()
                 raise StackError(f"the {what} did not become healthy in {timeout:.0f} s")

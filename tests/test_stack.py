@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,3 +95,17 @@ def test_up_asks_for_keys_only_when_given_a_tenants_file(llama_dir: Path, tmp_pa
         timeout=60,
     )
     assert bad.returncode != 0 and "--api-keys-file" in bad.stderr
+
+
+def test_up_stops_at_once_with_the_reason_when_a_worker_cannot_load(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """A worker that failed to load stays up, unready, with the reason in /health; ``up``
+    says it and stops instead of waiting for its timeout (three minutes)."""
+    broken = tmp_path / "no-tokenizer"
+    shutil.copytree(llama_dir, broken)
+    (broken / "tokenizer.json").unlink()
+    # (the stack's own timeout is 180 s: on a wait that long this run times out)
+    done = subprocess.run(up_argv(broken), env=ENV, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 1
+    assert "failed to load" in done.stderr and "http://127.0.0.1:" in done.stderr, done.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvpool.stack import free_port_range
 from kvpool.worker.engine import EngineConfig
 from kvpool.worker.scheduler import ScheduledBatch
 from kvpool.worker.sequence import SamplingParams
@@ -179,35 +179,12 @@ def test_a_simulated_hand_off_takes_its_bytes_over_the_link(start_worker: Any) -
     assert d.metric("kvpool_worker_kv_pull_seconds_sum") >= expected
 
 
-def consecutive_free_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def start_fleet(
     llama_dir: Path, count: int, *flags: str
 ) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
     """``kvpool worker sim-fleet`` with ``count`` workers from a free port on, and the line
     it prints for each worker, once every worker answers its health check."""
-    base = consecutive_free_ports(count)
+    base = free_port_range(count)
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     proc = subprocess.Popen(
         [
@@ -269,7 +246,7 @@ def test_a_router_started_after_a_sim_fleet_learns_what_it_already_holds(
     """Each simulated worker serves replay (on the ports after the event ports), says so
     in /kvpool/info, and a router that comes later asks it for the blocks it holds."""
     count = 3
-    events = consecutive_free_ports(2 * count)
+    events = free_port_range(2 * count)
     proc, lines = start_fleet(
         llama_dir, count, "--processes", "2", "--kv-events-base-port", str(events)
     )
