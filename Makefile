@@ -33,8 +33,10 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Test files run in parallel, one per core (at most 4): most tests wait on servers and
+# processes they start. --dist loadfile keeps a file's module fixtures in one worker.
 pytest: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadfile
 
 bench: install
 	$(PY) bench/hashing.py

@@ -13,10 +13,16 @@ chunks of ``kv_transfer.CHUNK_BYTES`` (8 MiB: 8 blocks). Each repeat:
   minimal asyncio server holding them in memory, read by the same ``pull_blocks`` (what
   the client and loopback cost with no server-side work).
 * decode leg: a fresh prefill, then the decode worker's request with its
-  ``kv_transfer_params``; its own ``kvpool_worker_kv_pull_seconds`` (pull + import) and
-  received bytes from /metrics, split into its ``pull_blocks`` and ``import_blocks`` by
-  timers the benchmark's launcher wraps around them, and the request's time to its one
-  token, against recomputing a fresh prompt of the same length on the decode worker.
+  ``kv_transfer_params``; its own ``kvpool_worker_kv_pull_seconds`` (the streamed pull,
+  each run of blocks copied into the cache as it arrives) and received bytes from
+  /metrics, and the request's time to its one token, against recomputing a fresh prompt of
+  the same length on the decode worker.
+* busy workers: pulls from a prefill worker while it decodes ``--streams`` streams (the
+  blocks are read beside its steps, not one chunk per step); and the inter-token latency
+  of as many streams on the decode worker, alone and while it takes ``--pulls`` decode
+  legs back to back (each imports a whole prompt's blocks beside its steps). Goal: the
+  streams' p90 during hand-offs at most 2x their p90 alone (a pull costs them at most
+  about a step).
 
 A breakdown says where the time goes: the time to the parsed header of a pull, and
 ``read_blocks`` (chunk by chunk, as the prefill worker reads them) and ``import_blocks``
@@ -52,6 +58,9 @@ from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 GOAL_MB_S = 200.0
+#: the decode side's inter-token latency p90 during hand-offs, against none: a pull may
+#: cost the streams beside it at most about one step (the copy runs beside the steps)
+ITL_GOAL = 2.0
 #: 8 layers x 2 x 16 tokens x 8 KV heads x 128 x 4 bytes = 1 MiB per block in float32
 SHAPE = {
     "num_hidden_layers": 8,
@@ -78,30 +87,9 @@ def chunk_blocks(block_bytes: int) -> int:
 
 # -- the processes this benchmark starts -------------------------------------------------------
 def worker_main(argv: list[str]) -> int:
-    """``kvpool worker <argv>``. With ``KVPOOL_BENCH_KV_TRACE`` set to a file, the decode
-    side's two halves of a hand-off are timed there: a line ``pull SECONDS BYTES`` per
-    ``pull_blocks`` and ``import SECONDS`` per ``import_blocks``."""
-    from kvpool.worker import cli, server
-    from kvpool.worker.engine import EngineCore
+    """``kvpool worker <argv>``."""
+    from kvpool.worker import cli
 
-    if path := os.environ.get("KVPOOL_BENCH_KV_TRACE"):
-        out = open(path, "a", buffering=1)  # open for the life of the process
-        pull, import_blocks = server.pull_blocks, EngineCore.import_blocks
-
-        async def timed_pull(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            header, data = await pull(*args, **kwargs)
-            out.write(f"pull {time.perf_counter() - start!r} {len(data)}\n")
-            return header, data
-
-        def timed_import(*args: Any, **kwargs: Any) -> int:
-            start = time.perf_counter()
-            stored = import_blocks(*args, **kwargs)
-            out.write(f"import {time.perf_counter() - start!r}\n")
-            return stored
-
-        server.pull_blocks = timed_pull  # type: ignore[assignment]
-        EngineCore.import_blocks = timed_import  # type: ignore[method-assign]
     return cli.main(argv)
 
 
@@ -250,6 +238,95 @@ async def time_to_header(client: Any, url: str, headers: dict[str, str]) -> floa
     return header_at
 
 
+async def stream_gaps(
+    client: Any, base: str, prompt: list[int], max_tokens: int
+) -> list[tuple[float, float]]:
+    """A streamed completion's gaps between chunks, each as (start, end) in perf_counter
+    seconds: the inter-token latency its client sees."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    gaps: list[tuple[float, float]] = []
+    last = None
+    async with client.stream(
+        "POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=300
+    ) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{base}: {r.status_code} {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append((last, now))
+                last = now
+    return gaps
+
+
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10)[-1]
+
+
+async def busy(
+    client: Any, prefill_url: str, decode_url: str, prompt: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Hand-offs against a worker that is busy decoding. (1) Pulls from a prefill worker
+    while it decodes ``--busy-streams`` streams; (2) the inter-token latency of as many
+    streams on the decode worker, alone and while it takes back-to-back decode legs (each
+    pulls and imports a whole prompt's blocks)."""
+    from kvpool.worker.kv_transfer import pull_blocks
+
+    rng = random.Random(1)
+
+    def short() -> list[int]:
+        return [rng.randrange(8, 512) for _ in range(64)]
+
+    def load(base: str) -> asyncio.Future[list[list[tuple[float, float]]]]:
+        return asyncio.gather(
+            *(stream_gaps(client, base, short(), args.busy_tokens) for _ in range(args.streams))
+        )
+
+    # (1) pulls from a busy prefill worker: its blocks are pinned first, then it decodes
+    pins = [(await prefill_leg(client, prefill_url, prompt()))[0] for _ in range(args.pulls)]
+    running = asyncio.ensure_future(load(prefill_url))
+    await asyncio.sleep(1.0)  # the streams are decoding
+    busy_mb_s = []
+    for params in pins:
+        start = time.perf_counter()
+        _, data = await pull_blocks(client, kv_url(params), timeout=120, headers=kv_auth(params))
+        busy_mb_s.append(len(data) / (time.perf_counter() - start) / MB)
+        if running.done():
+            raise RuntimeError(
+                "the prefill worker's streams ended before the pulls: raise --busy-tokens"
+            )
+    prefill_steps = [e - s for g in await running for s, e in g]
+    # (2) the decode worker's streams, alone and during decode legs
+    alone = [e - s for g in await load(decode_url) for s, e in g]
+    legs = []
+    for _ in range(args.pulls):
+        leg_prompt = prompt()
+        legs.append((leg_prompt, (await prefill_leg(client, prefill_url, leg_prompt))[0]))
+    pulls: list[tuple[float, float]] = []
+    before = scrape((await client.get(f"{decode_url}/metrics")).text)
+    running = asyncio.ensure_future(load(decode_url))
+    await asyncio.sleep(0.5)
+    for p, params in legs:
+        start = time.perf_counter()
+        await completion(client, decode_url, p, kv_transfer_params=params)
+        pulls.append((start, time.perf_counter()))
+    if running.done():
+        raise RuntimeError("the decode worker's streams ended before the legs: raise --busy-tokens")
+    gaps = [gap for g in await running for gap in g]
+    after = scrape((await client.get(f"{decode_url}/metrics")).text)
+    if after.get("fallbacks", 0) > before.get("fallbacks", 0):
+        raise RuntimeError("a decode leg recomputed its prefill")
+    during = [e - s for s, e in gaps if any(s < b and e > a for a, b in pulls)]
+    return {
+        "busy_pull_mb_s": busy_mb_s,
+        "prefill_step_ms": statistics.median(prefill_steps) * 1000,
+        "itl_alone_s": alone,
+        "itl_during_pull_s": during,
+        "pull_s": [b - a for a, b in pulls],
+    }
+
+
 def in_process(model_dir: Path, num_tokens: int, repeats: int) -> dict[str, Any]:
     """``read_blocks`` of a whole prompt's blocks, chunk by chunk as ``stream_blocks``
     reads them, and ``import_blocks`` of them, on an engine in this process (no HTTP)."""
@@ -289,7 +366,9 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
     from kvpool.worker.kv_transfer import TransferHeader, pull_blocks
 
     common = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32"]
-    common += ["--num-blocks", str(args.tokens // 16 * 4 + 64), "--drain-timeout-s", "1"]
+    # room for --pulls pinned or imported prompts besides the streams'
+    common += ["--num-blocks", str(args.tokens // 16 * (args.pulls + 3) + 256)]
+    common += ["--drain-timeout-s", "1"]
     common += ["--max-num-batched-tokens", str(max(2048, args.tokens))]
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
@@ -302,16 +381,11 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
     chunk = chunk_blocks(layout.block_bytes) * layout.block_bytes
     raw = [ME, "--raw-server", str(r_port), fake.encode().hex(), str(fake.body_bytes), str(chunk)]
     serve = [sys.executable, ME, "--worker", "serve", *common]
-    kv_trace = tmp / "kv_trace.log"
     # the pool's secret: the workers sign and verify hand-offs with it (never on a command line)
     env = {**os.environ, "KVPOOL_POOL_SECRET": secrets.token_hex(16)}
     with (
         process([*serve, "--role", "prefill", "--port", str(p_port)], tmp / "p.log", env) as p,
-        process(
-            [*serve, "--role", "decode", "--port", str(d_port)],
-            tmp / "d.log",
-            {**env, "KVPOOL_BENCH_KV_TRACE": str(kv_trace)},
-        ) as d,
+        process([*serve, "--role", "decode", "--port", str(d_port)], tmp / "d.log", env) as d,
         process([sys.executable, *raw], tmp / "r.log"),
     ):
         async with httpx.AsyncClient(timeout=300) as client:
@@ -340,8 +414,7 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
 
             r: dict[str, list[float]] = {k: [] for k in (
                 "pull_mb_s", "raw_mb_s", "prefill_s", "pull_s", "decode_leg_s",
-                "decode_pull_s", "decode_pull_mb_s", "decode_inner_pull_mb_s",
-                "decode_import_ms", "recompute_s", "cached_tokens",
+                "decode_pull_s", "decode_pull_mb_s", "recompute_s", "cached_tokens",
             )}  # fmt: skip
             nbytes = 0
             for i in range(args.repeats):
@@ -367,12 +440,6 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                 r["decode_leg_s"].append(leg_s)
                 r["decode_pull_s"].append(pulled)
                 r["decode_pull_mb_s"].append(got / pulled / MB)
-                lines = kv_trace.read_text().splitlines()
-                pull_line = next(x for x in reversed(lines) if x.startswith("pull "))
-                import_line = next(x for x in reversed(lines) if x.startswith("import "))
-                _, inner_s, inner_bytes = pull_line.split()
-                r["decode_inner_pull_mb_s"].append(int(inner_bytes) / float(inner_s) / MB)
-                r["decode_import_ms"].append(float(import_line.split()[1]) * 1000)
                 r["cached_tokens"].append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
                 # 4. the alternative to a hand-off: compute the prefill on the decode worker
                 _, recompute_s = await completion(client, decode_url, prompt())
@@ -389,7 +456,14 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
             for _ in range(args.breakdown_repeats):
                 params, _ = await prefill_leg(client, prefill_url, prompt())
                 header_s.append(await time_to_header(client, kv_url(params), kv_auth(params)))
-    return {"runs": r, "bytes": nbytes, "blocks": len(header.block_hashes), "header_s": header_s}
+            busy_figures = await busy(client, prefill_url, decode_url, prompt, args)
+    return {
+        "runs": r,
+        "bytes": nbytes,
+        "blocks": len(header.block_hashes),
+        "header_s": header_s,
+        "busy": busy_figures,
+    }
 
 
 def main() -> dict:
@@ -397,10 +471,14 @@ def main() -> dict:
     parser.add_argument("--tokens", type=int, default=2048, help="prompt length (x16 = blocks)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--breakdown-repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=8, help="streams that keep a worker busy")
+    parser.add_argument("--busy-tokens", type=int, default=400, help="tokens per busy stream")
+    parser.add_argument("--pulls", type=int, default=5, help="hand-offs against a busy worker")
     parser.add_argument("--quick", action="store_true", help="3 repeats, 1,024 tokens")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.tokens, args.breakdown_repeats = 3, 1024, 2
+        args.pulls, args.busy_tokens = 3, 200
     args.tokens -= args.tokens % 16
 
     import psutil
@@ -422,9 +500,11 @@ def main() -> dict:
     mb_s = statistics.median(r["pull_mb_s"])
     raw_mb_s = statistics.median(r["raw_mb_s"])
     decode_mb_s = statistics.median(r["decode_pull_mb_s"])
-    inner_mb_s = statistics.median(r["decode_inner_pull_mb_s"])
-    import_ms = statistics.median(r["decode_import_ms"])
     local_import_ms = statistics.median(local["import_blocks_ms"])
+    b = res["busy"]
+    busy_mb_s = statistics.median(b["busy_pull_mb_s"])
+    itl_alone, itl_during = p90(b["itl_alone_s"]), p90(b["itl_during_pull_s"])
+    itl_ratio = itl_during / itl_alone
     leg, recompute = statistics.median(r["decode_leg_s"]), statistics.median(r["recompute_s"])
 
     def met(ok: bool) -> str:
@@ -449,13 +529,14 @@ def main() -> dict:
         f"| decode worker's own pull + import (`kv_pull_seconds`), MB/s "
         f"| {spread(r['decode_pull_mb_s'])} | the pull alone (row 1): {spread(r['pull_mb_s'])} "
         f"| {decode_mb_s / mb_s:.2f}x | - |",
-        f"| ... of which `pull_blocks` in the decode worker, MB/s "
-        f"| {spread(r['decode_inner_pull_mb_s'])} "
-        f"| the same client code in this process (row 1): {spread(r['pull_mb_s'])} "
-        f"| {inner_mb_s / mb_s:.2f}x | - |",
-        f"| ... and `import_blocks` in the decode worker, ms | {spread(r['decode_import_ms'])} "
-        f"| the same call in this process, no server: {spread(local['import_blocks_ms'])} "
-        f"| {import_ms / local_import_ms:.2f}x | - |",
+        f"| KV pull from a prefill worker decoding {args.streams} streams "
+        f"(its step {b['prefill_step_ms']:.0f} ms), MB/s | {spread(b['busy_pull_mb_s'])} "
+        f"| the same worker idle (row 1): {spread(r['pull_mb_s'])} "
+        f"| {busy_mb_s / mb_s:.2f}x | - |",
+        f"| decode worker: inter-token latency p90 of {args.streams} streams during "
+        f"back-to-back decode legs ({args.pulls} hand-offs of {size}), ms "
+        f"| {itl_during * 1000:.1f} | the same streams, no hand-off: {itl_alone * 1000:.1f} "
+        f"| {itl_ratio:.2f}x | <= {ITL_GOAL:g}x (a step's worth): {met(itl_ratio <= ITL_GOAL)} |",
         f"| decode leg with remote prefill, request time, ms | {ms(r['decode_leg_s'])} "
         f"| recompute the {args.tokens}-token prefill there: {ms(r['recompute_s'])} "
         f"| {leg / recompute:.2f}x | - |",
@@ -486,8 +567,10 @@ def main() -> dict:
         "raw_http_mb_per_s": round(raw_mb_s, 1),
         "ratio_vs_raw_http": round(mb_s / raw_mb_s, 3),
         "decode_pull_mb_per_s": round(decode_mb_s, 1),
-        "decode_worker_pull_blocks_mb_per_s": round(inner_mb_s, 1),
-        "decode_worker_import_blocks_ms": round(import_ms, 1),
+        "kv_pull_busy_mb_s": round(busy_mb_s, 1),
+        "decode_itl_p90_during_pull_ratio": round(itl_ratio, 3),
+        "decode_itl_p90_ms": round(itl_alone * 1000, 2),
+        "decode_itl_p90_during_pull_ms": round(itl_during * 1000, 2),
         "decode_leg_ms": round(leg * 1000, 1),
         "recompute_ms": round(recompute * 1000, 1),
         "decode_leg_vs_recompute": round(leg / recompute, 3),
@@ -509,7 +592,12 @@ def main() -> dict:
                 **figures,
                 "date": str(dt.date.today()),
                 "machine": machine,
-                "detail": {**r, "header_s": res["header_s"], "in_process": local},
+                "detail": {
+                    **r,
+                    "header_s": res["header_s"],
+                    "in_process": local,
+                    "busy": {k: v for k, v in b.items() if not k.startswith("itl_")},
+                },
             },
             indent=2,
         )

@@ -4,6 +4,7 @@ aborts, sampling and stopping, and the events it reports."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 from test_block_pool import replay
@@ -441,3 +442,49 @@ def test_a_handed_off_request_that_never_runs_gives_its_blocks_back(engine_facto
     assert not mine.seq.held_block_ids and mine.seq.imported_last is None
     decode.reset_prefix_cache()
     assert decode.pool.num_free == free
+
+
+def test_a_streamed_import_takes_its_blocks_first_and_lands_while_the_engine_steps(
+    engine_factory,
+) -> None:
+    """The decode side allocates the request's blocks when the transfer's header arrives;
+    the bytes are copied in, run by run, on another thread while the engine keeps stepping a
+    rival that wants more blocks than are free; the request then finds 319 of its 320
+    tokens cached. A pull cut short keeps the runs that came whole and computes the rest.
+    Either way the answer is a full computation's, and every block comes back."""
+    prompt = [3 + (i * 7) % 500 for i in range(320)]
+    (expected,) = tokens(engine_factory(num_blocks=64), [prompt])
+    rival = [7 + (i * 11) % 500 for i in range(500)]  # 32 blocks: more than is free
+    for arrived, cached in ((20, 319), (7, 7 * 16)):
+        prefill, decode = engine_factory(num_blocks=64), engine_factory(num_blocks=40)
+        free = decode.pool.num_free
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        prefill.submit(prefill.prepare(prompt, params, "leg", pin_blocks=True), _Sink())
+        while prefill.has_unfinished():
+            prefill.step()
+        pin = prefill.pinned("leg")
+        mine = decode.prepare(prompt, GREEDY, "decode")
+        plan = decode.begin_import(prompt, pin.block_keys, hold_for=mine.seq)
+        assert decode.pool.num_free == free - 20  # allocated before a byte arrived
+        decode.submit(decode.prepare(rival, GREEDY, "rival"), rival_sink := _Sink())
+
+        def copy(plan=plan, pin=pin, prefill=prefill, decode=decode, arrived=arrived) -> None:
+            for first in range(0, arrived, 3):  # runs of 3 blocks, the last one shorter
+                ids = pin.block_ids[first : min(first + 3, arrived)]
+                decode.write_import(plan, first, prefill.read_blocks(ids))
+
+        copier = threading.Thread(target=copy)
+        copier.start()
+        while copier.is_alive():
+            decode.step()  # the rival runs meanwhile (it cannot take the import's blocks)
+        copier.join()
+        assert decode.finish_import(plan) == (20 if arrived == 20 else arrived)
+        decode.submit(mine, sink := _Sink())
+        while decode.has_unfinished():
+            decode.step()
+        out = [o for o in sink.outputs if o.finished][-1]
+        assert out.num_cached_tokens == cached
+        assert [t for o in sink.outputs for t in o.new_token_ids] == expected
+        assert rival_sink.done
+        decode.reset_prefix_cache()
+        assert decode.pool.num_free == free

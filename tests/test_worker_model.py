@@ -125,6 +125,19 @@ def test_paged_attention_equals_the_plain_definition(rows, seed, gather) -> None
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_long_decode_row_does_not_pad_the_short_ones_to_its_length() -> None:
+    """Eight short chats decoding beside one long row (a hand-off's last token after 1,024
+    cached tokens): the gather copies at most twice the context the rows use, not nine
+    times the long row's (which made that step ten times slower)."""
+    block_size = 16
+    lens = [100] * 8 + [1025]
+    tables = [list(range(i * 80, i * 80 + -(-n // block_size))) for i, n in enumerate(lens)]
+    meta = AttentionMetadata.build([1] * 9, lens, tables, block_size, "cpu")
+    gathered = sum(d.slots.numel() for d in meta.decode)
+    assert gathered <= 2 * sum(lens)
+    assert sorted(i for d in meta.decode for i in d.q_index.tolist()) == list(range(9))
+
+
 def _scattered_batch(rows, gen, heads=4, kv_heads=2, head_dim=8, block_size=4, num_blocks=128):
     """A ragged batch over blocks scattered through a cache whose earlier context is random:
     ``rows`` are (new tokens, earlier context)."""

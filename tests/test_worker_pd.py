@@ -5,6 +5,7 @@ to a local prefill with the same answer."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -120,9 +121,16 @@ class CuttingProxy:
     bytes, as a prefill worker dying in the middle of a transfer would."""
 
     def __init__(
-        self, upstream_port: int, limit: int, on_cut: Callable[[], None] = lambda: None
+        self,
+        upstream_port: int,
+        limit: int,
+        on_cut: Callable[[], None] = lambda: None,
+        *,
+        after_header: bool = False,
     ) -> None:
+        """``after_header``: ``limit`` counts from the end of the KV transfer's header."""
         self.upstream_port, self.limit, self.on_cut = upstream_port, limit, on_cut
+        self.after_header = after_header
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.relayed = 0
@@ -150,6 +158,15 @@ class CuttingProxy:
             if not request.startswith(b"GET"):
                 client.sendall(upstream.recv(65536))
                 return
+            if self.after_header:  # read up to the transfer header's end, then count
+                head = b""
+                while (at := head.find(b"KVPB")) < 0 or len(head) < at + 8:
+                    head += upstream.recv(1)
+                (n,) = struct.unpack(">I", head[at + 4 : at + 8])
+                head += _recv_exactly(upstream, n)
+                client.sendall(head)
+                self.limit += len(head)
+                self.relayed = len(head)
             while self.relayed < self.limit:
                 data = upstream.recv(min(65536, self.limit - self.relayed))
                 if not data:
@@ -184,6 +201,41 @@ def test_a_prefill_worker_killed_mid_transfer_leads_to_a_local_prefill(
     assert answer["choices"][0]["text"] == expected
     assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
     assert d.engine.stats.prefix_cache_hits == 0  # nothing half-received was stored
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        piece = sock.recv(n - len(data))
+        if not piece:
+            raise OSError("closed")
+        data += piece
+    return data
+
+
+def test_a_pull_cut_short_keeps_the_blocks_that_came_whole(
+    processes: Any, start_worker: Any, pd_worker: Any
+) -> None:
+    """The blocks of a transfer are written into the decode worker's cache as they arrive;
+    when the prefill worker dies three and a half blocks into the body, the three whole
+    ones stay (cached for the request) and only the rest of the prompt is computed."""
+    prompt = [5 + (i * 13) % 400 for i in range(100)]  # 6 full blocks and 4 tokens
+    expected = complete(start_worker().url, prompt, 16)["choices"][0]["text"]
+    p, d = processes("prefill"), pd_worker(role="decode")
+    params = prefill(p.url, prompt)
+    block_bytes = d.engine.kv_layout.block_bytes
+    proxy = CuttingProxy(p.port, 3 * block_bytes + block_bytes // 2, p.kill, after_header=True)
+    try:
+        cut = sign_transfer_params(
+            {**params, "remote_port": proxy.port}, TEST_POOL_SECRET, ttl_s=30
+        )
+        answer = complete(d.url, prompt, 16, kv_transfer_params=cut)
+    finally:
+        proxy.close()
+    assert p.proc.poll() is not None
+    assert answer["choices"][0]["text"] == expected
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 16
+    assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
 
 
 def test_a_pull_keeps_its_blocks_even_if_the_pin_is_deleted_meanwhile(pd_worker: Any) -> None:

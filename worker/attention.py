@@ -10,8 +10,9 @@ The causal mask is aligned to the *end* of the key sequence: query ``j`` of a se
 has ``q`` new tokens and ``L`` keys in all sits at position ``L - q + j``. That is what
 chunked prefill and prefix-cache hits need, since their queries start part-way through.
 
-Decode rows (one query each) are gathered into padded batches, each bounded to
-``DECODE_GATHER_TOKENS`` context slots so the gathered copy stays small, and each run as
+Decode rows (one query each) are gathered into padded batches of similar context length,
+each bounded to ``DECODE_GATHER_TOKENS`` context slots and to ``GATHER_PADDING`` times the
+context its rows use (so one long row does not pad every short one to its length), each run as
 one ``scaled_dot_product_attention`` call; prefill rows run one sequence at a time, where
 the query count makes the call worth its overhead. The same code runs on CPU and on CUDA,
 where ``scaled_dot_product_attention`` dispatches to the fused flash or memory-efficient
@@ -116,9 +117,13 @@ class AttentionMetadata:
             flex = None
             decode = [
                 _decode_batch(
-                    decode_rows[a:b], decode_tables[a:b], decode_lens[a:b], block_size, device
+                    [decode_rows[i] for i in group],
+                    [decode_tables[i] for i in group],
+                    [decode_lens[i] for i in group],
+                    block_size,
+                    device,
                 )
-                for a, b in _gather_groups(decode_lens, decode_gather_tokens)
+                for group in _gather_groups(decode_lens, decode_gather_tokens)
             ]
         pieces = [torch.tensor(p) if isinstance(p, list) else p for p in slot_parts]
         slot_mapping = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
@@ -135,18 +140,29 @@ class AttentionMetadata:
         )
 
 
-def _gather_groups(lens: list[int], budget: int) -> list[tuple[int, int]]:
-    """Split consecutive rows into ``[start, stop)`` groups whose padded size (rows x
-    longest context) stays within ``budget``; a row longer than it is a group of its own."""
-    groups: list[tuple[int, int]] = []
-    start, longest = 0, 0
-    for i, total in enumerate(lens):
-        longest = max(longest, total)
-        if (i + 1 - start) * longest > budget and i > start:
-            groups.append((start, i))
-            start, longest = i, total
-    if lens:
-        groups.append((start, len(lens)))
+#: a padded decode group gathers at most this many times the context it uses: rows of very
+#: different lengths (a long hand-off among short chats) go to groups of their own
+GATHER_PADDING = 2
+
+
+def _gather_groups(lens: list[int], budget: int) -> list[list[int]]:
+    """The decode rows (indices into ``lens``) in groups of similar context length, each
+    padded to its longest: a group's padded size (rows x longest) stays within ``budget``
+    and within ``GATHER_PADDING`` times the context its rows use; a row longer than the
+    budget is a group of its own."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    used = 0
+    for i in sorted(range(len(lens)), key=lens.__getitem__):
+        total = lens[i]  # the longest so far: rows come shortest first
+        padded = (len(group) + 1) * total
+        if group and (padded > budget or padded > GATHER_PADDING * (used + total)):
+            groups.append(group)
+            group, used = [], 0
+        group.append(i)
+        used += total
+    if group:
+        groups.append(group)
     return groups
 
 

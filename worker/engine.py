@@ -8,11 +8,10 @@ Those three are safe to call from any thread; a step and a call never interleave
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,13 +20,14 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher, block_key
+from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED, BlockHasher
 from kvpool.kv_events import KVCacheEvent
 from kvpool.openai_api import MAX_LOGPROBS
 from kvpool.tokenization import encode_prompt
 
 from .block_pool import BlockPool
 from .detokenizer import Detokenizer, DetokenizerState
+from .handoff import KVHandOff, KVLayout, PinnedBlocks
 from .loader import load_model, load_tokenizer
 from .model import LlamaModel
 from .model_runner import ModelRunner, blocks_for_memory
@@ -193,35 +193,7 @@ class PreparedRequest:
         return self.seq.token_ids[: self.seq.num_prompt_tokens]
 
 
-@dataclass
-class PinnedBlocks:
-    """A finished prefill's full prompt blocks, held for a decode worker to pull."""
-
-    request_id: str
-    block_ids: list[int]
-    block_keys: list[int]
-    num_prompt_tokens: int
-    deadline: float  # time.monotonic() after which they are freed unpulled
-    readers: int = 0  # transfers under way (the pin does not expire during one)
-
-
-@dataclass
-class KVLayout:
-    """How one block's KV bytes are laid out (the header of a KV transfer)."""
-
-    dtype: str  # torch dtype name without "torch.", or "none" (the simulated engine)
-    block_shape: list[int]  # [layers, 2 (k, v), block_size, kv_heads, head_dim]
-    layout: str = "layer,kv,token,kv_head,head_dim"
-
-    @property
-    def block_bytes(self) -> int:
-        if self.dtype == "none":
-            return 0
-        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return math.prod(self.block_shape) * itemsize
-
-
-class EngineCore:
+class EngineCore(KVHandOff):
     """Requests, scheduling, the block pool, detokenizing, pinning and events: everything
     but the forward pass. :class:`LLMEngine` runs a real model; the simulated engine
     (``kvpool.worker.sim``) replaces the model with a timing model."""
@@ -407,160 +379,6 @@ class EngineCore:
             done = self.pool.reset_prefix_cache()
             self._flush_events()
             return done
-
-    # -- prefill/decode hand-off ---------------------------------------------------------
-    @property
-    def kv_layout(self) -> KVLayout:
-        raise NotImplementedError
-
-    def _pin(self, seq: Seq) -> None:
-        n = seq.num_prompt_tokens // self.pool.block_size
-        block_ids = seq.block_ids[:n]
-        self.pool.touch(block_ids)  # a second reference: finishing the request keeps them
-        self._pinned[seq.request_id] = PinnedBlocks(
-            seq.request_id,
-            block_ids,
-            [block_key(d) for d in seq.hash_chain.digests[:n]],
-            seq.num_prompt_tokens,
-            time.monotonic() + self.config.kv_pin_timeout_s,
-        )
-
-    def pinned(self, request_id: str) -> PinnedBlocks | None:
-        with self._lock:
-            return self._pinned.get(request_id)
-
-    def open_pinned(self, request_id: str) -> PinnedBlocks | None:
-        """Start a transfer of pinned blocks. The reader holds its own reference on them
-        until :meth:`close_pinned`, so an unpin meanwhile (a DELETE, a timeout) cannot hand
-        them to another request while their bytes are being read."""
-        with self._lock:
-            pin = self._pinned.get(request_id)
-            if pin is not None:
-                pin.readers += 1
-                self.pool.touch(pin.block_ids)
-            return pin
-
-    def close_pinned(self, pin: PinnedBlocks) -> None:
-        with self._lock:
-            pin.readers -= 1
-            self.pool.free(list(reversed(pin.block_ids)))
-            if self._pinned.get(pin.request_id) is pin:
-                pin.deadline = time.monotonic() + self.config.kv_pin_timeout_s
-
-    def unpin(self, request_id: str) -> bool:
-        """Drop a request's pin (the decode side has its blocks). ``False`` if none."""
-        with self._lock:
-            pin = self._pinned.pop(request_id, None)
-            if pin is None:
-                return False
-            self.pool.free(list(reversed(pin.block_ids)))
-            return True
-
-    def expire_pins(self, now: float | None = None) -> list[str]:
-        """Free pins that nobody pulled in time; returns their request ids."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            expired = [
-                rid for rid, p in self._pinned.items() if p.deadline <= now and not p.readers
-            ]
-            for rid in expired:
-                self.unpin(rid)
-            return expired
-
-    def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
-        """The KV bytes of blocks, block after block, in :attr:`kv_layout`."""
-        raise NotImplementedError
-
-    def transfer_seconds(self, tokens: int) -> float:
-        """How much longer a hand-off of ``tokens`` tokens' KV takes than its bytes did:
-        nothing for an engine whose bytes are real (the simulated one prices its own)."""
-        return 0.0
-
-    def import_blocks(
-        self,
-        prompt_token_ids: Sequence[int],
-        block_keys: Sequence[int],
-        data: bytes | memoryview,
-        *,
-        cache_salt: str | None = None,
-        digests: Sequence[bytes] | None = None,
-        hold_for: Seq | None = None,
-    ) -> int:
-        """Store blocks computed by a prefill worker in this cache, as cached prefix blocks
-        (published as ``BlockStored``); a request for the same prompt admitted next finds
-        them. The keys must match this engine's own hashes of the prompt (same model, block
-        size and seed), or nothing is stored. ``digests``: the prompt's hash chain if the
-        caller has it already (hashing a long prompt here would hold up the engine).
-        ``hold_for``: the request they are for; it holds them (they cannot be evicted)
-        until it is admitted, or until :meth:`release_held`. Returns how many blocks are
-        now cached."""
-        size = self.pool.block_size
-        n = len(block_keys)
-        if n > len(prompt_token_ids) // size:
-            raise ValueError(f"{n} blocks sent for a prompt of {len(prompt_token_ids)} tokens")
-        if digests is None:
-            chain = self.hasher.chain(cache_salt=cache_salt)
-            chain.extend(prompt_token_ids[: n * size])
-            digests = chain.digests
-        digests = list(digests[:n])
-        if [block_key(d) for d in digests] != list(block_keys):
-            raise ValueError(
-                "the sent blocks' hashes differ from this worker's: model, block size or "
-                f"hash seed differ ({self.hasher.fingerprint} here)"
-            )
-        block_bytes = self.kv_layout.block_bytes
-        if len(data) != n * block_bytes:
-            raise ValueError(f"expected {n * block_bytes} bytes of KV, got {len(data)}")
-        view = memoryview(data)
-        # A prompt that ends on a block boundary: its last block goes to a block of the
-        # request's own, not to the prefix cache, so that only its last token is computed
-        # here (it is written into that block again, which no other request reads).
-        own_last = hold_for is not None and n > 0 and n * size == len(prompt_token_ids)
-        shared = n - 1 if own_last else n
-        with self._lock:
-            prefix = self.pool.lookup(digests[:shared])
-            have = len(prefix)
-            # Hold the cached prefix while allocating, or the allocation could evict it
-            # (and the stored blocks would hang off a parent the index no longer has).
-            self.pool.touch(prefix)
-            # Keep one block for the prompt's tail, which the request computes here.
-            room = max(0, self.pool.num_free - 1)
-            end = have + min(shared - have, room)
-            if end > have:
-                block_ids = self.pool.allocate(end - have)
-                self._write_blocks(block_ids, view[have * block_bytes : end * block_bytes])
-                held = self.pool.cache_blocks(
-                    block_ids,
-                    digests[have:end],
-                    [prompt_token_ids[j * size : (j + 1) * size] for j in range(have, end)],
-                    digests[have - 1] if have else None,
-                )
-            else:
-                held = []
-            if hold_for is not None:  # the request keeps them until it is admitted
-                self.pool.free(list(reversed(hold_for.held_block_ids)))
-                hold_for.held_block_ids = prefix + held
-                if own_last and end == shared and self.pool.num_free:
-                    if hold_for.imported_last is not None:
-                        self.pool.free([hold_for.imported_last])
-                    (last,) = self.pool.allocate(1)
-                    self._write_blocks([last], view[shared * block_bytes : n * block_bytes])
-                    hold_for.imported_last = last
-                    end += 1
-            else:
-                self.pool.free(list(reversed(held)))
-                self.pool.free(list(reversed(prefix)))
-            self._flush_events()
-            return end
-
-    def release_held(self, seq: Seq) -> None:
-        """Let go of blocks imported for a request that will not run (its client left
-        before it was queued)."""
-        with self._lock:
-            self.scheduler.release_held(seq)
-
-    def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
-        raise NotImplementedError
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -821,8 +639,9 @@ class LLMEngine(EngineCore):
     def read_blocks(self, block_ids: Sequence[int]) -> bytes | memoryview:
         kv = self.runner.kv_cache  # a block is strided across layers: copy each one out
         out = torch.empty((len(block_ids), *self._block_shape), dtype=kv.dtype)
-        for i, block_id in enumerate(block_ids):
-            out[i].copy_(kv[:, :, block_id])
+        with self._copy_stream():
+            for i, block_id in enumerate(block_ids):
+                out[i].copy_(kv[:, :, block_id])
         return memoryview(out.view(torch.uint8).numpy()).cast("B")
 
     def _write_blocks(self, block_ids: list[int], data: bytes | memoryview) -> None:
@@ -831,9 +650,23 @@ class LLMEngine(EngineCore):
         if (isinstance(data, memoryview) and data.readonly) or isinstance(data, bytes):
             data = bytearray(data)  # torch wants writable memory to wrap without copying
         raw = torch.frombuffer(data, dtype=torch.uint8)
-        blocks = raw.view(kv.dtype).view(shape).to(kv.device)
-        index = torch.tensor(block_ids, device=kv.device)
-        kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))
+        with self._copy_stream():
+            blocks = raw.view(kv.dtype).view(shape).to(kv.device)
+            index = torch.tensor(block_ids, device=kv.device)
+            kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """Hand-off copies on CUDA run on a stream of their own, so that they neither wait
+        for the step's kernels nor hold them up (the blocks they touch are no step's: see
+        :mod:`.handoff`); the copy is complete when this returns."""
+        if self.runner.kv_cache.device.type != "cuda":
+            yield
+            return
+        stream = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
 
 def _completion(stream: RequestStream) -> Completion:

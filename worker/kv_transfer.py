@@ -10,6 +10,12 @@ decode worker checks every field against its own cache and the hashes against it
 hashing of the prompt before it stores anything: blocks from a different model, dtype,
 block size or hash seed are refused, never stored under a wrong name.
 
+Both ends stream: the prefill worker reads ``CHUNK_BYTES`` of blocks at a time beside its
+engine's steps (:func:`stream_blocks`), and the decode worker hands each run of whole
+blocks to a :class:`BlockSink` as it arrives (:func:`pull_blocks_into`); its
+:class:`ImportSink` copies them into the cache (see :mod:`.handoff`), so the body is never
+held whole.
+
 The request carries the hand-off's one-time token (``Authorization: Bearer``, from the
 signed ``kv_transfer_params``); without it the prefill worker answers 401 or 403. A pull,
 whole or cut short, spends the token and frees the pin: the blocks go to one reader only.
@@ -17,10 +23,14 @@ whole or cut short, spends the token and frees the pin: the blocks go to one rea
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import httpx
 
@@ -35,7 +45,11 @@ CHUNK_BYTES = 8 * 2**20
 
 class TransferError(RuntimeError):
     """The blocks could not be fetched or do not fit this worker (the caller falls back to
-    computing the prefill itself)."""
+    computing the prefill itself). ``received``: whole blocks that arrived before it."""
+
+    def __init__(self, message: str, *, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received
 
 
 @dataclass
@@ -93,19 +107,33 @@ def _parse_header(buf: bytes | bytearray) -> tuple[TransferHeader, int] | None:
     return header, start + n
 
 
-async def pull_blocks(
+class BlockSink(Protocol):
+    """Where a streamed transfer's blocks go: :meth:`begin` once the header is read (it
+    raises :class:`TransferError` or ``ValueError`` to refuse the transfer), then
+    :meth:`write` for each run of whole blocks, in order, as they arrive."""
+
+    async def begin(self, header: TransferHeader) -> None: ...
+
+    async def write(self, first: int, data: bytearray) -> None: ...
+
+
+async def pull_blocks_into(
     client: httpx.AsyncClient,
     url: str,
+    sink: BlockSink,
     *,
     timeout: float = 30.0,
     headers: dict[str, str] | None = None,
-) -> tuple[TransferHeader, bytearray]:
-    """Fetch a transfer; raises :class:`TransferError` on any failure, including a body cut
-    short (the prefill worker died mid-transfer). ``headers``: the hand-off's token (in
-    ``Authorization``); never part of an error message."""
+) -> TransferHeader:
+    """Stream a transfer into ``sink``, ``CHUNK_BYTES`` of whole blocks at a time (the
+    body is never held whole). Raises :class:`TransferError` on any failure, a body cut
+    short included (the prefill worker died mid-transfer), with ``received`` set to the
+    blocks the sink got. ``headers``: the hand-off's token (in ``Authorization``); never
+    part of an error message."""
     buf = bytearray()
     header: TransferHeader | None = None
-    body_start = 0
+    first = 0  # the first block still in buf
+    error: TransferError | None = None
     try:
         async with client.stream("GET", url, timeout=timeout, headers=headers) as response:
             if response.status_code != 200:
@@ -115,14 +143,132 @@ async def pull_blocks(
                 buf += piece
                 if header is None:
                     parsed = _parse_header(buf)
-                    if parsed is not None:
-                        header, body_start = parsed
+                    if parsed is None:
+                        continue
+                    header, start = parsed
+                    del buf[:start]
+                    await sink.begin(header)
+                    step = max(1, CHUNK_BYTES // max(1, header.block_bytes)) * header.block_bytes
+                if header.block_bytes and len(buf) >= step:
+                    first, buf = await _write_whole(sink, header, first, buf, url)
     except httpx.HTTPError as exc:
-        raise TransferError(f"pulling {url} failed: {exc!r}") from None
+        error = TransferError(f"pulling {url} failed: {exc!r}")
+    except TransferError as exc:
+        exc.received = first
+        raise
     if header is None:
-        raise TransferError(f"{url}: the transfer ended before its header ({len(buf)} bytes)")
-    got = len(buf) - body_start
-    if got != header.body_bytes:
-        raise TransferError(f"{url}: the transfer ended at {got} of {header.body_bytes} bytes")
-    del buf[:body_start]
-    return header, buf
+        raise error or TransferError(f"{url}: the transfer ended before its header")
+    got = first * header.block_bytes + len(buf)
+    if error is None and got != header.body_bytes:
+        error = TransferError(f"{url}: the transfer ended at {got} of {header.body_bytes} bytes")
+    if buf and got <= header.body_bytes:  # what came whole is good, even if the rest did not
+        first, buf = await _write_whole(sink, header, first, buf, url)
+    if error is not None:
+        error.received = first
+        raise error
+    return header
+
+
+async def _write_whole(
+    sink: BlockSink, header: TransferHeader, first: int, buf: bytearray, url: str
+) -> tuple[int, bytearray]:
+    """Hand the whole blocks at the front of ``buf`` (blocks ``first ..``) to the sink;
+    returns the next block's index and what is left of ``buf`` (the chunk itself is not
+    copied: the sink gets ``buf``, cut to its whole blocks, and the short tail moves)."""
+    whole = len(buf) - len(buf) % header.block_bytes if header.block_bytes else 0
+    if not whole:
+        return first, buf
+    if first * header.block_bytes + whole > header.body_bytes:
+        raise TransferError(f"{url}: the transfer is longer than its header says")
+    rest = buf[whole:]
+    del buf[whole:]
+    await sink.write(first, buf)
+    return first + whole // header.block_bytes, rest
+
+
+class _Collect:
+    """A sink that keeps the bytes (:func:`pull_blocks`)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    async def begin(self, header: TransferHeader) -> None:
+        pass
+
+    async def write(self, first: int, data: bytearray) -> None:
+        self.data += data
+
+
+async def pull_blocks(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    timeout: float = 30.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[TransferHeader, bytearray]:
+    """Fetch a whole transfer into memory (see :func:`pull_blocks_into`)."""
+    sink = _Collect()
+    header = await pull_blocks_into(client, url, sink, timeout=timeout, headers=headers)
+    return header, sink.data
+
+
+class ImportSink:
+    """A decode worker's sink: the request's blocks are allocated when the header arrives
+    (on the engine thread), each run of blocks is copied into the cache as it arrives (on
+    a thread of its own, alongside the engine's steps), and :meth:`finish` hands what came
+    whole to the request. ``engine``: an ``EngineCore``; ``loop``: its ``EngineLoop``."""
+
+    def __init__(self, engine: Any, loop: Any, prepared: Any) -> None:
+        self.engine, self.loop, self.prepared = engine, loop, prepared
+        self.plan: Any = None
+        self._writing: concurrent.futures.Future[None] | None = None
+
+    async def begin(self, header: TransferHeader) -> None:
+        engine, seq = self.engine, self.prepared.seq
+        mine = engine.kv_layout
+        theirs = (header.dtype, header.block_shape, header.layout, header.block_size)
+        ours = (mine.dtype, mine.block_shape, mine.layout, engine.pool.block_size)
+        if theirs != ours:
+            raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
+        self.plan = await self.loop.call(
+            lambda: engine.begin_import(
+                self.prepared.prompt_token_ids,
+                header.block_hashes,
+                digests=seq.hash_chain.digests,  # hashed already, off the engine
+                hold_for=seq,  # nobody evicts them before it is admitted
+            )
+        )
+
+    async def write(self, first: int, data: bytearray) -> None:
+        self._writing = _COPIES.submit(self.engine.write_import, self.plan, first, data)
+        await asyncio.wrap_future(self._writing)
+
+    async def finish(self, *, complete: bool) -> int:
+        """Cache what arrived (everything, if ``complete``); how many blocks are in place."""
+        if self.plan is None:
+            return 0
+        await self._written()
+        return await self.loop.call(lambda: self.engine.finish_import(self.plan, complete=complete))
+
+    async def _written(self) -> None:
+        if self._writing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self._writing)
+
+    def abort(self) -> None:
+        """Give the blocks back (the request was cancelled), once no copy into them runs."""
+        if self.plan is None:
+            return
+        plan, writing = self.plan, self._writing
+
+        def give_back(_: object = None) -> None:
+            self.loop.call_soon(self.engine.abort_import, plan)
+
+        if writing is not None and not writing.done():
+            writing.add_done_callback(give_back)
+        else:
+            give_back()
+
+
+#: the threads that copy hand-off bytes into the cache (a few: the copies are memory-bound)
+_COPIES = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-import")

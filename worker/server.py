@@ -74,7 +74,13 @@ from kvpool.tokenization import render_chat
 from . import openai_format as fmt
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
 from .engine_loop import EngineLoop, TimedOutput
-from .kv_transfer import TransferError, TransferHeader, pull_blocks, stream_blocks
+from .kv_transfer import (
+    ImportSink,
+    TransferError,
+    TransferHeader,
+    pull_blocks_into,
+    stream_blocks,
+)
 from .metrics import RequestTimer, WorkerMetrics
 from .sequence import InvalidParam, SamplingParams
 from .settings import WorkerSettings
@@ -578,9 +584,10 @@ class WorkerServer:
         )
 
         async def read(ids: Sequence[int]) -> bytes | memoryview:
-            # Read in the engine thread, between steps: the release below is queued behind
-            # the last read, so it can never overtake a copy still in progress.
-            return await loop.call(engine.read_blocks, ids) if header.block_bytes else b""
+            # Off the engine's thread, alongside its steps (pinned blocks are immutable):
+            # a busy prefill worker sends at the speed of the copy, not one chunk per step.
+            # The reader's reference (open_pinned) keeps the blocks until done() below.
+            return await asyncio.to_thread(engine.read_blocks, ids) if header.block_bytes else b""
 
         async def body() -> AsyncIterator[bytes | memoryview]:
             async for chunk in stream_blocks(header, pin.block_ids, read):
@@ -629,45 +636,40 @@ class WorkerServer:
         # The one-time token: the prefill worker hands its blocks to no one else.
         auth = {"Authorization": f"Bearer {getattr(transfer, TOKEN_FIELD, '')}"}
         start = time.monotonic()
+        sink = ImportSink(engine, loop, prepared)
         try:
             assert self._http is not None
-            header, data = await pull_blocks(
-                self._http, url, timeout=self.settings.kv_transfer_timeout_s, headers=auth
+            header = await pull_blocks_into(
+                self._http, url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
             )
             # What the bytes would take on the wire (a simulated engine's; a real one's
             # took their time already), waited out here, not in the engine's step.
             delay = engine.transfer_seconds(len(header.block_hashes) * header.block_size)
             if delay > 0:
                 await asyncio.sleep(delay)
-            mine = engine.kv_layout
-            theirs = (header.dtype, header.block_shape, header.layout, header.block_size)
-            ours = (mine.dtype, mine.block_shape, mine.layout, engine.pool.block_size)
-            if theirs != ours:
-                raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
-            stored = await loop.call(
-                lambda: engine.import_blocks(
-                    prepared.prompt_token_ids,
-                    header.block_hashes,
-                    data,
-                    digests=prepared.seq.hash_chain.digests,  # hashed already, off the engine
-                    hold_for=prepared.seq,  # nobody evicts them before it is admitted
-                )
-            )
+            stored = await sink.finish(complete=True)
             metrics.kv_pull_seconds.observe(time.monotonic() - start)
-            metrics.transferred("received", len(header.block_hashes), len(data))
+            metrics.transferred("received", len(header.block_hashes), header.body_bytes)
             log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
             return stored
         except Exception as exc:  # whatever went wrong, the answer can still be computed here
             metrics.kv_transfer_fallbacks.inc()
+            # Blocks that arrived whole are kept (cached for this request); it computes the
+            # rest of its prompt here.
+            kept = await sink.finish(complete=False)
             log.warning(
-                "request %s: remote prefill unusable, computing it here: %s",
+                "request %s: remote prefill unusable, computing it here (%d blocks kept): %s",
                 prepared.request_id,
+                kept,
                 exc,
                 exc_info=not isinstance(exc, TransferError | ValueError),
             )
             # A pull that was read to its end freed the pin; one that failed may not have.
             asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
             return None
+        except BaseException:  # cancelled (the client left, or shutdown): give the blocks back
+            sink.abort()
+            raise
 
     async def _release_remote(self, url: str, headers: dict[str, str]) -> None:
         """Free the pin if the pull never reached it (a pull frees it itself)."""
