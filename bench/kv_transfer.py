@@ -290,7 +290,7 @@ async def busy(
     busy_mb_s = []
     for params in pins:
         start = time.perf_counter()
-        _, data = await pull_blocks(client, kv_url(params), timeout=120, headers=kv_auth(params))
+        _, data = await pull_blocks(kv_url(params), timeout=120, headers=kv_auth(params))
         busy_mb_s.append(len(data) / (time.perf_counter() - start) / MB)
         if running.done():
             raise RuntimeError(
@@ -401,7 +401,7 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                 params, prefill_s = await prefill_leg(client, prefill_url, prompt())
                 start = time.perf_counter()
                 header, data = await pull_blocks(
-                    client, kv_url(params), timeout=120, headers=kv_auth(params)
+                    kv_url(params), timeout=120, headers=kv_auth(params)
                 )
                 pull_s = time.perf_counter() - start
                 return header, len(data), prefill_s, pull_s  # the pull released the pin
@@ -410,7 +410,7 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
             await pull()
             params, _ = await prefill_leg(client, prefill_url, prompt())
             await completion(client, decode_url, prompt(), kv_transfer_params=params)
-            await pull_blocks(client, raw_url)
+            await pull_blocks(raw_url)
 
             r: dict[str, list[float]] = {k: [] for k in (
                 "pull_mb_s", "raw_mb_s", "prefill_s", "pull_s", "decode_leg_s",
@@ -425,7 +425,7 @@ async def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str,
                 r["pull_mb_s"].append(nbytes / pull_s / MB)
                 # 2. the same bytes from the minimal server, same client
                 start = time.perf_counter()
-                _, data = await pull_blocks(client, raw_url, timeout=120)
+                _, data = await pull_blocks(raw_url, timeout=120)
                 r["raw_mb_s"].append(len(data) / (time.perf_counter() - start) / MB)
                 del data
                 # 3. the decode leg, as a router would send it

@@ -28,11 +28,10 @@ import concurrent.futures
 import contextlib
 import json
 import struct
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
-
-import httpx
 
 MAGIC = b"KVPB"
 VERSION = 1
@@ -117,8 +116,50 @@ class BlockSink(Protocol):
     async def write(self, first: int, data: bytearray) -> None: ...
 
 
+#: bytes asked of the socket per read: big reads keep the event loop's work per byte small,
+#: and so its hold on the GIL, which the engine's thread needs between its kernels (reads of
+#: 64 KiB, httpx's, cost the decode streams beside a pull a third more time per token)
+READ_BYTES = 1 << 20
+
+
+async def _get(
+    url: str, headers: dict[str, str] | None, timeout: float
+) -> tuple[int, int, asyncio.StreamReader, asyncio.StreamWriter]:
+    """``GET url`` over a fresh HTTP/1.1 connection: the status, the body's length, and the
+    connection, read up to the body (a prefill worker's ``/kv`` always sends a length)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise TransferError(f"cannot pull from {url!r}: not an http:// URL")
+    port = parts.port or 80
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(parts.hostname, port, limit=READ_BYTES)
+    try:
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        lines = [f"GET {target} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
+        for name, value in (headers or {}).items():
+            if any(c in f"{name}{value}" for c in "\r\n"):
+                raise TransferError(f"a header of the pull of {url} holds a line break")
+            lines.append(f"{name}: {value}")
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        async with asyncio.timeout(timeout):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        status_line, *field_lines = head.split("\r\n")
+        status = int(status_line.split(" ", 2)[1])
+        fields = dict(
+            (name.strip().lower(), value.strip())
+            for name, _, value in (x.partition(":") for x in field_lines if x)
+        )
+        return status, int(fields["content-length"]), reader, writer
+    except (ValueError, IndexError, KeyError, asyncio.LimitOverrunError) as exc:
+        writer.close()
+        raise TransferError(f"{url} answered no HTTP/1.1 response with a length: {exc!r}") from None
+    except BaseException:
+        writer.close()
+        raise
+
+
 async def pull_blocks_into(
-    client: httpx.AsyncClient,
     url: str,
     sink: BlockSink,
     *,
@@ -128,34 +169,45 @@ async def pull_blocks_into(
     """Stream a transfer into ``sink``, ``CHUNK_BYTES`` of whole blocks at a time (the
     body is never held whole). Raises :class:`TransferError` on any failure, a body cut
     short included (the prefill worker died mid-transfer), with ``received`` set to the
-    blocks the sink got. ``headers``: the hand-off's token (in ``Authorization``); never
-    part of an error message."""
+    blocks the sink got. ``timeout``: for connecting and for each read. ``headers``: the
+    hand-off's token (in ``Authorization``); never part of an error message."""
     buf = bytearray()
     header: TransferHeader | None = None
     first = 0  # the first block still in buf
     error: TransferError | None = None
+    writer: asyncio.StreamWriter | None = None
     try:
-        async with client.stream("GET", url, timeout=timeout, headers=headers) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise TransferError(f"{url} answered {response.status_code}: {response.text[:200]}")
-            async for piece in response.aiter_raw():
-                buf += piece
-                if header is None:
-                    parsed = _parse_header(buf)
-                    if parsed is None:
-                        continue
-                    header, start = parsed
-                    del buf[:start]
-                    await sink.begin(header)
-                    step = max(1, CHUNK_BYTES // max(1, header.block_bytes)) * header.block_bytes
-                if header.block_bytes and len(buf) >= step:
-                    first, buf = await _write_whole(sink, header, first, buf, url)
-    except httpx.HTTPError as exc:
+        status, length, reader, writer = await _get(url, headers, timeout)
+        if status != 200:
+            async with asyncio.timeout(timeout):
+                text = (await reader.read(min(length, 4096))).decode(errors="replace")
+            raise TransferError(f"{url} answered {status}: {text[:200]}")
+        left = length
+        while left:
+            async with asyncio.timeout(timeout):
+                piece = await reader.read(min(READ_BYTES, left))
+            if not piece:
+                raise ConnectionError(f"the body ended {left} bytes short")
+            left -= len(piece)
+            buf += piece
+            if header is None:
+                parsed = _parse_header(buf)
+                if parsed is None:
+                    continue
+                header, start = parsed
+                del buf[:start]
+                await sink.begin(header)
+                step = max(1, CHUNK_BYTES // max(1, header.block_bytes)) * header.block_bytes
+            if header.block_bytes and len(buf) >= step:
+                first, buf = await _write_whole(sink, header, first, buf, url)
+    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
         error = TransferError(f"pulling {url} failed: {exc!r}")
     except TransferError as exc:
         exc.received = first
         raise
+    finally:
+        if writer is not None:
+            writer.close()
     if header is None:
         raise error or TransferError(f"{url}: the transfer ended before its header")
     got = first * header.block_bytes + len(buf)
@@ -200,15 +252,11 @@ class _Collect:
 
 
 async def pull_blocks(
-    client: httpx.AsyncClient,
-    url: str,
-    *,
-    timeout: float = 30.0,
-    headers: dict[str, str] | None = None,
+    url: str, *, timeout: float = 30.0, headers: dict[str, str] | None = None
 ) -> tuple[TransferHeader, bytearray]:
     """Fetch a whole transfer into memory (see :func:`pull_blocks_into`)."""
     sink = _Collect()
-    header = await pull_blocks_into(client, url, sink, timeout=timeout, headers=headers)
+    header = await pull_blocks_into(url, sink, timeout=timeout, headers=headers)
     return header, sink.data
 
 

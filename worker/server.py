@@ -640,7 +640,7 @@ class WorkerServer:
         try:
             assert self._http is not None
             header = await pull_blocks_into(
-                self._http, url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
+                url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
             )
             # What the bytes would take on the wire (a simulated engine's; a real one's
             # took their time already), waited out here, not in the engine's step.
