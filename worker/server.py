@@ -30,9 +30,8 @@ import math
 import signal
 import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvpool import __version__, tracing
 from kvpool.hashing import HASH_ALGORITHM
@@ -59,28 +58,17 @@ from kvpool.openai_api import (
     parse_request,
 )
 from kvpool.signing import (
-    TOKEN_FIELD,
-    InvalidSignature,
     admin_token,
     bearer_token,
     constant_time_equal,
     kv_events_credential,
-    new_token,
-    sign_transfer_params,
-    verify_transfer_params,
 )
 from kvpool.tokenization import render_chat
 
 from . import openai_format as fmt
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
 from .engine_loop import EngineLoop, TimedOutput
-from .kv_transfer import (
-    ImportSink,
-    TransferError,
-    TransferHeader,
-    pull_blocks_into,
-    stream_blocks,
-)
+from .handoff_http import ClosingStream, HandOffEndpoints
 from .metrics import RequestTimer, WorkerMetrics
 from .sequence import InvalidParam, SamplingParams
 from .settings import WorkerSettings
@@ -92,10 +80,6 @@ EngineFactory = Callable[[EventSink | None], EngineCore]
 #: prompts up to this many characters or token ids are tokenized and hashed on the event
 #: loop (well under a millisecond); longer ones in a thread
 INLINE_PREPARE_LIMIT = 2048
-
-#: how long a hand-off's signature and token outlive the pin they open: room for clocks
-#: that disagree by a few seconds
-HANDOFF_SLACK_S = 10.0
 
 # Engines load one at a time: several workers in one process (a simulated fleet) would
 # otherwise import transformers' lazy modules from several threads at once, which races.
@@ -151,7 +135,7 @@ class _Job:
     trace: _Trace | None = None  # tracing is on
 
 
-class WorkerServer:
+class WorkerServer(HandOffEndpoints):
     def __init__(
         self, settings: WorkerSettings, engine_factory: EngineFactory | None = None
     ) -> None:
@@ -518,165 +502,6 @@ class WorkerServer:
             raise OpenAIError(400, "this worker has no tokenizer", code="no_tokenizer")
         return engine.tokenizer
 
-    # -- KV hand-off: the prefill side ---------------------------------------------------
-    def _issue_kv_token(self, request_id: str) -> str:
-        """A new one-time token for a request's pinned blocks (forgetting expired ones)."""
-        now = time.monotonic()
-        tokens = self._kv_tokens
-        while tokens:
-            oldest = next(iter(tokens))
-            if tokens[oldest][1] > now:
-                break
-            del tokens[oldest]
-        token = new_token()
-        tokens[request_id] = (token, now + self.settings.kv_pin_timeout_s + HANDOFF_SLACK_S)
-        return token
-
-    def _take_kv_token(self, request: Request, request_id: str, *, admin_ok: bool) -> None:
-        """Check (and use up) the hand-off's token for ``request_id``; ``admin_ok``: the
-        admin token also opens it (freeing a pin, not reading it)."""
-        token = bearer_token(request.headers.get("authorization"))
-        if token is None:
-            raise OpenAIError(
-                401,
-                "KV blocks are handed only to the holder of the hand-off's token: send "
-                "'Authorization: Bearer <kv_transfer_params.kvpool_token>'",
-                type="authentication_error",
-                code="kv_token_required",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        token_of, expiry = self._kv_tokens.get(request_id, (None, 0.0))
-        if expiry > time.monotonic() and constant_time_equal(token, token_of):
-            del self._kv_tokens[request_id]  # one pull (or one release) per token
-            return
-        if admin_ok and constant_time_equal(token, self._admin_token):
-            return
-        raise OpenAIError(
-            403,
-            f"the token does not open the blocks of request {request_id!r} (wrong, used "
-            "already, or expired)",
-            type="permission_error",
-            code="invalid_kv_token",
-        )
-
-    async def get_kv(self, request: Request) -> Response:
-        request_id = request.path_params["request_id"]
-        engine, loop, metrics = self._ready()
-        self._take_kv_token(request, request_id, admin_ok=False)
-        pin = await loop.call(engine.open_pinned, request_id)
-        if pin is None:
-            raise OpenAIError(
-                404,
-                f"no pinned blocks for request {request_id!r} (pulled, freed, or timed out)",
-                type="not_found_error",
-                code="kv_not_found",
-            )
-        layout = engine.kv_layout
-        header = TransferHeader(
-            request_id=request_id,
-            dtype=layout.dtype,
-            block_shape=layout.block_shape,
-            layout=layout.layout,
-            block_bytes=layout.block_bytes,
-            block_size=engine.pool.block_size,
-            num_prompt_tokens=pin.num_prompt_tokens,
-            block_hashes=pin.block_keys,
-        )
-
-        async def read(ids: Sequence[int]) -> bytes | memoryview:
-            # Off the engine's thread, alongside its steps (pinned blocks are immutable):
-            # a busy prefill worker sends at the speed of the copy, not one chunk per step.
-            # The reader's reference (open_pinned) keeps the blocks until done() below.
-            return await asyncio.to_thread(engine.read_blocks, ids) if header.block_bytes else b""
-
-        async def body() -> AsyncIterator[bytes | memoryview]:
-            async for chunk in stream_blocks(header, pin.block_ids, read):
-                yield chunk
-            metrics.transferred("sent", len(pin.block_ids), header.body_bytes)
-
-        def done() -> None:
-            # The token is spent: nobody else can pull these blocks, so keep them no longer.
-            engine.close_pinned(pin)
-            engine.unpin(request_id)
-
-        size = len(header.encode()) + header.body_bytes
-        return _ClosingStream(
-            body(),
-            lambda: loop.call_soon(done),
-            media_type="application/octet-stream",
-            headers={"Content-Length": str(size)},
-        )
-
-    async def delete_kv(self, request: Request) -> JSONResponse:
-        request_id = request.path_params["request_id"]
-        engine, loop, _ = self._ready()
-        self._take_kv_token(request, request_id, admin_ok=True)
-        if not await loop.call(engine.unpin, request_id):
-            raise OpenAIError(
-                404,
-                f"no pinned blocks for request {request_id!r}",
-                type="not_found_error",
-                code="kv_not_found",
-            )
-        return JSONResponse({"freed": request_id})
-
-    # -- KV hand-off: the decode side ----------------------------------------------------
-    async def _pull_remote_prefill(
-        self, prepared: PreparedRequest, transfer: KVTransferParams
-    ) -> int | None:
-        """Fetch a prefill worker's blocks into this cache; on any failure, log and count
-        it, and let the request compute its prefill here. Returns how many blocks are
-        cached, or None after a failure."""
-        engine, loop, metrics = self._ready()
-        host = transfer.remote_host or ""
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # an IPv6 address
-        rid = urllib.parse.quote(transfer.remote_request_id or "", safe="")
-        url = f"http://{host}:{transfer.remote_port}/kv/{rid}"
-        # The one-time token: the prefill worker hands its blocks to no one else.
-        auth = {"Authorization": f"Bearer {getattr(transfer, TOKEN_FIELD, '')}"}
-        start = time.monotonic()
-        sink = ImportSink(engine, loop, prepared)
-        try:
-            assert self._http is not None
-            header = await pull_blocks_into(
-                url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
-            )
-            # What the bytes would take on the wire (a simulated engine's; a real one's
-            # took their time already), waited out here, not in the engine's step.
-            delay = engine.transfer_seconds(len(header.block_hashes) * header.block_size)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            stored = await sink.finish(complete=True)
-            metrics.kv_pull_seconds.observe(time.monotonic() - start)
-            metrics.transferred("received", len(header.block_hashes), header.body_bytes)
-            log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
-            return stored
-        except Exception as exc:  # whatever went wrong, the answer can still be computed here
-            metrics.kv_transfer_fallbacks.inc()
-            # Blocks that arrived whole are kept (cached for this request); it computes the
-            # rest of its prompt here.
-            kept = await sink.finish(complete=False)
-            log.warning(
-                "request %s: remote prefill unusable, computing it here (%d blocks kept): %s",
-                prepared.request_id,
-                kept,
-                exc,
-                exc_info=not isinstance(exc, TransferError | ValueError),
-            )
-            # A pull that was read to its end freed the pin; one that failed may not have.
-            asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
-            return None
-        except BaseException:  # cancelled (the client left, or shutdown): give the blocks back
-            sink.abort()
-            raise
-
-    async def _release_remote(self, url: str, headers: dict[str, str]) -> None:
-        """Free the pin if the pull never reached it (a pull frees it itself)."""
-        with contextlib.suppress(httpx.HTTPError):
-            assert self._http is not None
-            await self._http.delete(url, timeout=5.0, headers=headers)
-
     # -- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -774,69 +599,6 @@ class WorkerServer:
             ", remote prefill" if transfer and transfer.do_remote_prefill else "",
         )
         return job
-
-    def _check_transfer(self, transfer: KVTransferParams, stream: bool) -> None:
-        role = self.settings.role
-        if transfer.do_remote_decode:
-            if role == "decode":
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_decode: this worker's role "
-                    "is decode; send prefills to a prefill or both worker",
-                    param="kv_transfer_params",
-                )
-            if self._secret is None:
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_decode: this worker has no pool secret "
-                    "(--pool-secret), so it cannot sign a hand-off; send the request whole",
-                    code="kv_transfer_disabled",
-                    param="kv_transfer_params",
-                )
-            if stream:
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_decode: the prefill leg "
-                    "answers once; use stream=false",
-                    param="stream",
-                )
-        if transfer.do_remote_prefill:
-            if role == "prefill":
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_prefill: this worker's role is prefill",
-                    param="kv_transfer_params",
-                )
-            missing = [
-                name
-                for name in ("remote_host", "remote_port", "remote_request_id")
-                if getattr(transfer, name) is None
-            ]
-            if missing:
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_prefill needs " + ", ".join(missing),
-                    param="kv_transfer_params",
-                )
-            if self._secret is None:
-                raise OpenAIError(
-                    400,
-                    "kv_transfer_params.do_remote_prefill: this worker has no pool secret "
-                    "(--pool-secret), so it cannot tell a pool worker's hand-off from a "
-                    "forged one; send the request whole",
-                    code="kv_transfer_disabled",
-                    param="kv_transfer_params",
-                )
-            try:
-                verify_transfer_params(transfer.model_dump(), self._secret)
-            except InvalidSignature as exc:
-                raise OpenAIError(
-                    400,
-                    f"kv_transfer_params: {exc}. Only a prefill worker of this pool, through "
-                    "the router, hands off a prefill; send the request without them",
-                    code="invalid_kv_transfer_params",
-                    param="kv_transfer_params",
-                ) from None
 
     def _render_chat(
         self,
@@ -1097,7 +859,7 @@ class WorkerServer:
     async def _answer(self, request: Request, job: _Job) -> Response:
         headers = {"X-Request-Id": job.id.split("-", 1)[1]}
         if job.stream:
-            return _ClosingStream(
+            return ClosingStream(
                 self._sse(job),
                 lambda: self._close(job),
                 media_type="text/event-stream",
@@ -1151,25 +913,6 @@ class WorkerServer:
         if job.transfer is not None and job.transfer.do_remote_decode:
             body["kv_transfer_params"] = await self._transfer_params(job.prepared[0])
         return body
-
-    async def _transfer_params(self, prepared: PreparedRequest) -> dict[str, Any] | None:
-        engine, loop, _ = self._ready()
-        pin = await loop.call(engine.pinned, prepared.request_id)
-        if pin is None:
-            return None
-        assert self._secret is not None  # _check_transfer refuses the leg without one
-        params = KVTransferParams(
-            do_remote_prefill=True,
-            do_remote_decode=False,
-            remote_block_ids=pin.block_ids,
-            remote_engine_id=self.engine_id,
-            remote_request_id=prepared.request_id,
-            remote_host=self.advertised_host,
-            remote_port=self.port,
-        ).model_dump()
-        params[TOKEN_FIELD] = self._issue_kv_token(prepared.request_id)
-        ttl = self.settings.kv_pin_timeout_s + HANDOFF_SLACK_S
-        return sign_transfer_params(params, self._secret, ttl_s=ttl)
 
     @property
     def port(self) -> int:
@@ -1274,21 +1017,6 @@ def _reachable(endpoint: str, host: str) -> str:
     for wildcard in ("0.0.0.0", "*", "[::]"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
-
-
-class _ClosingStream(StreamingResponse):
-    """A streamed response that runs ``on_close`` however it ends, even if the client left
-    before the body started (then the body's own ``finally`` never runs)."""
-
-    def __init__(self, body: AsyncIterator[Any], on_close: Callable[[], None], **kwargs: Any):
-        super().__init__(body, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
 
 
 async def _disconnected(request: Request) -> None:
