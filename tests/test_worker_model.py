@@ -47,6 +47,9 @@ VARIANTS = {
     # Qwen3-0.6B's shape in small: q/k norms, and a head_dim that is not hidden / heads
     "qwen3-qk-norm": ("qwen3", {"head_dim": 48, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # Gemma 2B's traits in small: GELU MLP, scaled embeddings, norms stored as offsets from
+    # 1 (random, so that a missing offset shows), tied embeddings, head_dim of its own
+    "gemma": ("gemma", {"head_dim": 40, "tie_word_embeddings": True}),
 }
 
 

@@ -189,18 +189,25 @@ def test_a_prefill_worker_killed_mid_transfer_leads_to_a_local_prefill(
     # The pull goes through a relay that kills the prefill process once the response
     # headers, the transfer header and part of the first block have gone through.
     proxy = CuttingProxy(p.port, limit=3000, on_cut=p.kill)
-    try:
-        # The test stands for the pool here: it signs the hand-off that names the relay.
-        cut = sign_transfer_params(
-            {**params, "remote_port": proxy.port}, TEST_POOL_SECRET, ttl_s=30
-        )
-        answer = complete(d.url, PROMPT, 16, kv_transfer_params=cut)
-    finally:
-        proxy.close()
+    answer = complete_through(proxy, params, d.url, PROMPT)
     assert proxy.relayed == 3000 and p.proc.poll() is not None
     assert answer["choices"][0]["text"] == expected
     assert d.metric("kvpool_worker_kv_transfer_fallbacks_total") == 1
     assert d.engine.stats.prefix_cache_hits == 0  # nothing half-received was stored
+
+
+def complete_through(
+    proxy: CuttingProxy, params: dict[str, Any], url: str, prompt: str | list[int]
+) -> dict[str, Any]:
+    """The decode leg of ``params``, its pull going through ``proxy`` (the test stands for
+    the pool here: it signs the hand-off that names the relay)."""
+    try:
+        cut = sign_transfer_params(
+            {**params, "remote_port": proxy.port}, TEST_POOL_SECRET, ttl_s=30
+        )
+        return complete(url, prompt, 16, kv_transfer_params=cut)
+    finally:
+        proxy.close()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -225,13 +232,7 @@ def test_a_pull_cut_short_keeps_the_blocks_that_came_whole(
     params = prefill(p.url, prompt)
     block_bytes = d.engine.kv_layout.block_bytes
     proxy = CuttingProxy(p.port, 3 * block_bytes + block_bytes // 2, p.kill, after_header=True)
-    try:
-        cut = sign_transfer_params(
-            {**params, "remote_port": proxy.port}, TEST_POOL_SECRET, ttl_s=30
-        )
-        answer = complete(d.url, prompt, 16, kv_transfer_params=cut)
-    finally:
-        proxy.close()
+    answer = complete_through(proxy, params, d.url, prompt)
     assert p.proc.poll() is not None
     assert answer["choices"][0]["text"] == expected
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 16

@@ -1,8 +1,10 @@
 """What the engine needs to know about a checkpoint, read from its Hugging Face ``config.json``.
 
-One class covers the Llama family: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 differ only in
-flags (attention bias, tied embeddings, RoPE scaling, Qwen3's RMSNorm of each head's q and
-k), so they share one model.
+One class covers the Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and Gemma (1) differ
+only in flags (attention bias, tied embeddings, RoPE scaling, Qwen3's RMSNorm of each head's
+q and k; Gemma's scaled embeddings, GELU MLP and RMSNorm weights stored as offsets from 1),
+so they share one model. Gemma 2 and 3 are refused: they alternate sliding-window layers and
+cap their logits, which this engine's attention does not do.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
 }
+
+#: MLP activations by their Hugging Face names (``hidden_act``, or Gemma's
+#: ``hidden_activation``): SiLU, and the GELUs Gemma checkpoints name
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 DTYPES = {
     "float32": torch.float32,
@@ -105,6 +112,9 @@ class ModelConfig:
     torch_dtype: str | None
     sliding_window: int | None = None  # Mistral v0.1: attention limited to this many tokens
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalised before RoPE
+    hidden_act: str = "silu"  # the MLP's gate activation (one of ACTIVATIONS)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
+    norm_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + weight)
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> ModelConfig:
@@ -136,8 +146,13 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            if cfg.get("hidden_act", "silu") != "silu":
-                raise ModelLoadError(f"{where}: hidden_act {cfg['hidden_act']!r} is not silu")
+            gemma = model_type == "gemma"
+            act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act")
+            act = act or ("gelu_pytorch_tanh" if gemma else "silu")
+            if act not in ACTIVATIONS:
+                raise ModelLoadError(
+                    f"{where}: hidden_act {act!r} is not one of {', '.join(ACTIVATIONS)}"
+                )
             if heads % kv_heads:
                 raise ModelLoadError(
                     f"{where}: {heads} attention heads do not divide into {kv_heads} KV heads"
@@ -175,6 +190,9 @@ class ModelConfig:
                 torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
                 sliding_window=int(window) if window else None,
                 qk_norm=model_type == "qwen3",
+                hidden_act=act,
+                embed_scale=math.sqrt(hidden) if gemma else 1.0,
+                norm_offset=1.0 if gemma else 0.0,
             )
         except KeyError as exc:
             raise ModelLoadError(f"{where}: missing field {exc.args[0]!r}") from None

@@ -50,6 +50,20 @@ log = logging.getLogger("kvpool.worker.server")
 HANDOFF_SLACK_S = 10.0
 
 
+def require_bearer(request: Request, message: str, code: str) -> str:
+    """The request's bearer token, or 401 with ``message`` and ``code``."""
+    token = bearer_token(request.headers.get("authorization"))
+    if token is None:
+        raise OpenAIError(
+            401,
+            message,
+            type="authentication_error",
+            code=code,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return token
+
+
 class HandOffEndpoints:
     """The hand-off's endpoints and both legs' plumbing (a part of ``WorkerServer``)."""
 
@@ -84,16 +98,12 @@ class HandOffEndpoints:
     def _take_kv_token(self, request: Request, request_id: str, *, admin_ok: bool) -> None:
         """Check (and use up) the hand-off's token for ``request_id``; ``admin_ok``: the
         admin token also opens it (freeing a pin, not reading it)."""
-        token = bearer_token(request.headers.get("authorization"))
-        if token is None:
-            raise OpenAIError(
-                401,
-                "KV blocks are handed only to the holder of the hand-off's token: send "
-                "'Authorization: Bearer <kv_transfer_params.kvpool_token>'",
-                type="authentication_error",
-                code="kv_token_required",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        token = require_bearer(
+            request,
+            "KV blocks are handed only to the holder of the hand-off's token: send "
+            "'Authorization: Bearer <kv_transfer_params.kvpool_token>'",
+            "kv_token_required",
+        )
         token_of, expiry = self._kv_tokens.get(request_id, (None, 0.0))
         if expiry > time.monotonic() and constant_time_equal(token, token_of):
             del self._kv_tokens[request_id]  # one pull (or one release) per token

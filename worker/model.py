@@ -1,11 +1,13 @@
 """The Llama architecture over a flat ragged batch (no padding) and a paged KV cache.
 
-Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 share this code: RMSNorm, rotary position
+Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and Gemma share this code: RMSNorm, rotary position
 embeddings (default, linear or llama3 scaling), grouped-query attention with optional biases
-(and, in Qwen3, an RMSNorm of each head's q and k before RoPE), a SwiGLU MLP and optionally
-tied embeddings. The projections for q/k/v and for gate/up are
-fused into one matrix each, so a layer is four matrix products; :meth:`LlamaModel.weight_map`
-tells the loader which slice of which parameter each checkpoint tensor fills.
+(and, in Qwen3, an RMSNorm of each head's q and k before RoPE), a gated MLP (SwiGLU, or
+Gemma's GELU) and optionally tied embeddings (Gemma also scales its embeddings by the square
+root of the hidden size and stores its norms' weights as offsets from 1). The projections
+for q/k/v and for gate/up are fused into one matrix each, so a layer is four matrix
+products; :meth:`LlamaModel.weight_map` tells the loader which slice of which parameter
+each checkpoint tensor fills.
 """
 
 from __future__ import annotations
@@ -21,16 +23,25 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``offset``: Gemma stores each weight as its offset from 1 and scales in float32."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def _norm(config: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, config.norm_offset)
 
 
 class Rotary(nn.Module):
@@ -84,8 +95,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # one weight per channel of a head, shared by the heads
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = _norm(config, self.head_dim)
+            self.k_norm = _norm(config, self.head_dim)
 
     def forward(
         self,
@@ -114,9 +125,18 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
 
+        self.act = _ACTIVATIONS[config.hidden_act]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
 class DecoderLayer(nn.Module):
@@ -124,8 +144,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
 
     def forward(
         self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -149,7 +169,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -165,6 +185,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a flat batch of ``T`` tokens."""
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: rounded to the model's dtype first, as HF
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, kv_cache, meta)

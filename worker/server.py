@@ -59,7 +59,6 @@ from kvpool.openai_api import (
 )
 from kvpool.signing import (
     admin_token,
-    bearer_token,
     constant_time_equal,
     kv_events_credential,
 )
@@ -68,7 +67,7 @@ from kvpool.tokenization import render_chat
 from . import openai_format as fmt
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
 from .engine_loop import EngineLoop, TimedOutput
-from .handoff_http import ClosingStream, HandOffEndpoints
+from .handoff_http import ClosingStream, HandOffEndpoints, require_bearer
 from .metrics import RequestTimer, WorkerMetrics
 from .sequence import InvalidParam, SamplingParams
 from .settings import WorkerSettings
@@ -417,16 +416,12 @@ class WorkerServer(HandOffEndpoints):
                 type="permission_error",
                 code="admin_forbidden",
             )
-        token = bearer_token(request.headers.get("authorization"))
-        if token is None:
-            raise OpenAIError(
-                401,
-                "this admin endpoint needs 'Authorization: Bearer <admin token>' "
-                "(`kvpool worker admin-token` derives it from the pool secret)",
-                type="authentication_error",
-                code="admin_token_required",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        token = require_bearer(
+            request,
+            "this admin endpoint needs 'Authorization: Bearer <admin token>' "
+            "(`kvpool worker admin-token` derives it from the pool secret)",
+            "admin_token_required",
+        )
         if not constant_time_equal(token, self._admin_token):
             raise OpenAIError(
                 401,
