@@ -660,13 +660,23 @@ class LLMEngine(EngineCore):
         """Hand-off copies on CUDA run on a stream of their own, so that they neither wait
         for the step's kernels nor hold them up (the blocks they touch are no step's: see
         :mod:`.handoff`); the copy is complete when this returns."""
-        if self.runner.kv_cache.device.type != "cuda":
+        device = self.runner.kv_cache.device
+        if device.type != "cuda":
             yield
             return
-        stream = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        # one stream per copying thread, on the cache's device (a thread's current device
+        # is cuda:0 whatever the cache's), so that one copy never waits on another's
+        streams = _COPY_STREAMS.__dict__.setdefault("by_device", {})
+        stream = streams.get(device)
+        if stream is None:
+            stream = streams[device] = torch.cuda.Stream(device=device)
         with torch.cuda.stream(stream):
             yield
         stream.synchronize()
+
+
+#: each thread's hand-off copy streams, by CUDA device
+_COPY_STREAMS = threading.local()
 
 
 def _completion(stream: RequestStream) -> Completion:

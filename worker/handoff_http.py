@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
@@ -195,44 +195,57 @@ class HandOffEndpoints:
         auth = {"Authorization": f"Bearer {getattr(transfer, TOKEN_FIELD, '')}"}
         start = time.monotonic()
         sink = ImportSink(engine, loop, prepared)
+        settled = False  # the import finished, or was given back
         try:
-            assert self._http is not None
-            header = await pull_blocks_into(
-                url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
-            )
-            # What the bytes would take on the wire (a simulated engine's; a real one's
-            # took their time already), waited out here, not in the engine's step.
-            delay = engine.transfer_seconds(len(header.block_hashes) * header.block_size)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            stored = await sink.finish(complete=True)
-            metrics.kv_pull_seconds.observe(time.monotonic() - start)
-            metrics.transferred("received", len(header.block_hashes), header.body_bytes)
-            log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
-            return stored
-        except Exception as exc:  # whatever went wrong, the answer can still be computed here
+            try:
+                header = await pull_blocks_into(
+                    url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
+                )
+                # What the bytes would take on the wire (a simulated engine's; a real one's
+                # took their time already), waited out here, not in the engine's step.
+                delay = engine.transfer_seconds(len(header.block_hashes) * header.block_size)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                stored = await sink.finish(complete=True)
+            except Exception as exc:  # whatever went wrong, the answer can be computed here
+                metrics.kv_transfer_fallbacks.inc()
+                # Blocks that arrived whole are kept (cached for this request); it computes
+                # the rest of its prompt here.
+                kept = await sink.finish(complete=False)
+                settled = True
+                log.warning(
+                    "request %s: remote prefill unusable, computing it here (%d blocks kept): %s",
+                    prepared.request_id,
+                    kept,
+                    exc,
+                    exc_info=not isinstance(exc, TransferError | ValueError),
+                )
+                # A pull that was read to its end freed the pin; one that failed may not have.
+                _background(self._release_remote(url, auth))
+                return None
+            settled = True
+        finally:
+            if not settled:  # cancelled (the client left, or shutdown): give the blocks back
+                sink.abort()
+        metrics.kv_pull_seconds.observe(time.monotonic() - start)
+        metrics.transferred("received", len(header.block_hashes), header.body_bytes)
+        if stored < len(header.block_hashes):  # no room here for the rest: computed here
             metrics.kv_transfer_fallbacks.inc()
-            # Blocks that arrived whole are kept (cached for this request); it computes the
-            # rest of its prompt here.
-            kept = await sink.finish(complete=False)
-            log.warning(
-                "request %s: remote prefill unusable, computing it here (%d blocks kept): %s",
+            log.info(
+                "request %s: %d of %d remote blocks stored (the cache had no room for the "
+                "rest), computing the rest here",
                 prepared.request_id,
-                kept,
-                exc,
-                exc_info=not isinstance(exc, TransferError | ValueError),
+                stored,
+                len(header.block_hashes),
             )
-            # A pull that was read to its end freed the pin; one that failed may not have.
-            asyncio.create_task(self._release_remote(url, auth))  # noqa: RUF006
-            return None
-        except BaseException:  # cancelled (the client left, or shutdown): give the blocks back
-            sink.abort()
-            raise
+        log.debug("request %s: %d remote blocks stored", prepared.request_id, stored)
+        return stored
 
     async def _release_remote(self, url: str, headers: dict[str, str]) -> None:
         """Free the pin if the pull never reached it (a pull frees it itself)."""
+        if self._http is None:
+            return
         with contextlib.suppress(httpx.HTTPError):
-            assert self._http is not None
             await self._http.delete(url, timeout=5.0, headers=headers)
 
     def _check_transfer(self, transfer: KVTransferParams, stream: bool) -> None:
@@ -316,6 +329,16 @@ class HandOffEndpoints:
         params[TOKEN_FIELD] = self._issue_kv_token(prepared.request_id)
         ttl = self.settings.kv_pin_timeout_s + HANDOFF_SLACK_S
         return sign_transfer_params(params, self._secret, ttl_s=ttl)
+
+
+#: tasks nobody awaits (releasing a remote pin), kept until done so none is collected early
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+def _background(coro: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(coro)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 class ClosingStream(StreamingResponse):

@@ -150,7 +150,10 @@ async def _get(
             (name.strip().lower(), value.strip())
             for name, _, value in (x.partition(":") for x in field_lines if x)
         )
-        return status, int(fields["content-length"]), reader, writer
+        length = int(fields["content-length"])
+        if length < 0:
+            raise ValueError(f"Content-Length {length}")
+        return status, length, reader, writer
     except (ValueError, IndexError, KeyError, asyncio.LimitOverrunError) as exc:
         writer.close()
         raise TransferError(f"{url} answered no HTTP/1.1 response with a length: {exc!r}") from None
@@ -269,6 +272,7 @@ class ImportSink:
     def __init__(self, engine: Any, loop: Any, prepared: Any) -> None:
         self.engine, self.loop, self.prepared = engine, loop, prepared
         self.plan: Any = None
+        self._begun: asyncio.Future[Any] | None = None
         self._writing: concurrent.futures.Future[None] | None = None
 
     async def begin(self, header: TransferHeader) -> None:
@@ -278,7 +282,7 @@ class ImportSink:
         ours = (mine.dtype, mine.block_shape, mine.layout, engine.pool.block_size)
         if theirs != ours:
             raise TransferError(f"the blocks are {theirs}, this cache holds {ours}")
-        self.plan = await self.loop.call(
+        self._begun = self.loop.call(
             lambda: engine.begin_import(
                 self.prepared.prompt_token_ids,
                 header.block_hashes,
@@ -286,6 +290,9 @@ class ImportSink:
                 hold_for=seq,  # nobody evicts them before it is admitted
             )
         )
+        # shielded: if this pull is cancelled meanwhile, the allocation still arrives and
+        # abort() gives it back
+        self.plan = await asyncio.shield(self._begun)
 
     async def write(self, first: int, data: bytearray) -> None:
         self._writing = _COPIES.submit(self.engine.write_import, self.plan, first, data)
@@ -304,7 +311,15 @@ class ImportSink:
                 await asyncio.wrap_future(self._writing)
 
     def abort(self) -> None:
-        """Give the blocks back (the request was cancelled), once no copy into them runs."""
+        """Give the blocks back (the request was cancelled), once no copy into them runs,
+        and once they are allocated if that is still under way. Idempotent."""
+        begun = self._begun
+        if self.plan is None and begun is not None:
+            if not begun.done():
+                begun.add_done_callback(lambda _: self.abort())
+                return
+            if not begun.cancelled() and begun.exception() is None:
+                self.plan = begun.result()
         if self.plan is None:
             return
         plan, writing = self.plan, self._writing
