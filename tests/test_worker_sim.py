@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -180,11 +181,15 @@ def test_a_simulated_hand_off_takes_its_bytes_over_the_link(start_worker: Any) -
 
 
 def start_fleet(
-    llama_dir: Path, count: int, *flags: str
+    llama_dir: Path, count: int, *flags: str, events: bool = False
 ) -> tuple[subprocess.Popen[str], list[dict[str, Any]]]:
     """``kvpool worker sim-fleet`` with ``count`` workers from a free port on, and the line
-    it prints for each worker, once every worker answers its health check."""
-    base = free_port_range(count)
+    it prints for each worker, once every worker answers its health check. ``events``: KV
+    events (and replay, its default) on the ports after the workers' (one free range for
+    all three, so that no other test's port falls in between)."""
+    base = free_port_range(3 * count if events else count)
+    if events:
+        flags = (*flags, "--kv-events-base-port", str(base + count))
     kvpool = str(Path(sys.executable).with_name("kvpool"))
     proc = subprocess.Popen(
         [
@@ -205,6 +210,7 @@ def start_fleet(
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONSAFEPATH": "1"},
+        start_new_session=True,  # its --processes children go with it (killpg)
     )
     assert proc.stdout is not None
     lines = [json.loads(proc.stdout.readline()) for _ in range(count)]
@@ -218,7 +224,9 @@ def start_fleet(
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
+                # the whole group: a child still holding the pipe would block the read
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 raise AssertionError(f"{line['url']} did not start:\n{proc.stdout.read()}")
             time.sleep(0.05)
     return proc, lines
@@ -246,10 +254,8 @@ def test_a_router_started_after_a_sim_fleet_learns_what_it_already_holds(
     """Each simulated worker serves replay (on the ports after the event ports), says so
     in /kvpool/info, and a router that comes later asks it for the blocks it holds."""
     count = 3
-    events = free_port_range(2 * count)
-    proc, lines = start_fleet(
-        llama_dir, count, "--processes", "2", "--kv-events-base-port", str(events)
-    )
+    proc, lines = start_fleet(llama_dir, count, "--processes", "2", events=True)
+    events = int(lines[0]["kv_events_endpoint"].rsplit(":", 1)[1])
     try:
         for i, line in enumerate(lines):
             replay = f"tcp://127.0.0.1:{events + count + i}"
