@@ -488,3 +488,51 @@ def test_a_streamed_import_takes_its_blocks_first_and_lands_while_the_engine_ste
         assert rival_sink.done
         decode.reset_prefix_cache()
         assert decode.pool.num_free == free
+
+
+def test_block_tables_are_only_appended_to_when_two_requests_compute_one_prefix(
+    engine_factory,
+) -> None:
+    """A and B compute the same 48-token prefix in the same steps. Neither's block table is
+    rewritten to point at the other's blocks (a kernel may keep tables on the device and
+    append only), yet one block per hash is reported, every stored block's parent stays
+    known, both answer as they would alone, and every block comes back."""
+    batches: list[list] = []
+    # both prompts fit one step's budget: both compute the prefix at once, neither hits
+    engine = engine_factory(
+        event_sink=batches.append, num_blocks=32, max_num_batched_tokens=128, max_num_seqs=4
+    )
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    shared = list(range(100, 148))
+    prompts = [[*shared, 7, 8, 9], [*shared, 17, 18]]
+    alone = [tokens(engine_factory(num_blocks=32), [p], params)[0] for p in prompts]
+    streams = [engine.add_request(p, params) for p in prompts]
+    tables: dict[str, list[int]] = {}
+
+    def check() -> None:
+        for seq in engine.scheduler.running:
+            before = tables.get(seq.request_id, [])
+            assert seq.block_ids[: len(before)] == before, "a block table was rewritten"
+            tables[seq.request_id] = list(seq.block_ids)
+
+    schedule = engine.scheduler.schedule
+
+    def scheduled():  # the tables as the step's kernels see them
+        batch = schedule()
+        check()
+        return batch
+
+    engine.scheduler.schedule = scheduled
+    while engine.has_unfinished():
+        engine.step()
+        check()  # and after the step cached its full blocks
+    got = [[t for o in s for t in o.new_token_ids] for s in streams]
+    assert got == alone
+    index: set[int] = set()
+    for batch in batches:
+        replay(batch, index)  # refuses a stored block whose parent is not in the index
+    assert index == {block_key(d) for d in engine.pool.cached_digests}
+    assert len(index) == 3  # the shared prefix's three blocks, once each (tails are partial)
+    engine.pool.check()
+    engine.reset_prefix_cache()
+    assert engine.pool.num_free == 32

@@ -87,14 +87,20 @@ class BlockPool:
         digests: Sequence[bytes],
         token_ids: Sequence[Sequence[int]],
         parent: bytes | None,
+        *,
+        shadows: list[int] | None = None,
     ) -> list[int]:
         """Give full, computed blocks their hashes and report them as stored. Returns the
         blocks the request should hold from now on.
 
         When a digest is already cached in another block (two requests computed the same
-        prefix at once), the request switches to that block and frees its own copy: one
-        block per hash keeps the index exact, and a held block cannot be evicted, so the
-        parent of every later ``BlockStored`` is a hash the index still has.
+        prefix at once), one block per hash keeps the index exact, and the request must
+        hold the cached one, so that it cannot be evicted and the parent of every later
+        ``BlockStored`` is a hash the index still has. Without ``shadows`` the request
+        switches to the cached block and frees its own copy; with it, the request keeps its
+        copy (unhashed: it is never reported, and is freed as a plain block), so that its
+        block table is only ever appended to, and the cached block is appended to
+        ``shadows``, a reference the request holds beside its table.
         """
         held: list[int] = []
         run: list[int] = []  # keys of consecutive newly stored blocks
@@ -116,8 +122,11 @@ class BlockPool:
                     run, tokens = [], []
                 if block.digest is None and existing is not None:
                     self.touch([existing])
-                    self.free([block_id])
-                    block_id = existing
+                    if shadows is None:
+                        self.free([block_id])
+                        block_id = existing
+                    else:
+                        shadows.append(existing)
             held.append(block_id)
             parent = digest
         if run:

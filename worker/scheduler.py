@@ -163,19 +163,22 @@ class Scheduler:
         return cached, own, computed, n, need
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: give the request's newly full, computed blocks their hashes (the
-        pool may switch it to identical blocks that are already cached)."""
+        """After a step: give the request's newly full, computed blocks their hashes. A
+        block another request cached meanwhile stays the request's own copy (its block
+        table is append-only: a kernel may keep it on the device), and the request holds
+        the cached one beside it (:attr:`Sequence.shadow_block_ids`)."""
         size = self.pool.block_size
         full = seq.num_computed_tokens // size
         start = seq.num_cached_blocks
         if full <= start:
             return
         digests = seq.hash_chain.digests
-        seq.block_ids[start:full] = self.pool.cache_blocks(
+        self.pool.cache_blocks(
             seq.block_ids[start:full],
             digests[start:full],
             [seq.token_ids[j * size : (j + 1) * size] for j in range(start, full)],
             digests[start - 1] if start else None,
+            shadows=seq.shadow_block_ids,
         )
         seq.num_cached_blocks = full
 
@@ -188,6 +191,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
+        if seq.shadow_block_ids:
+            self.pool.free(list(reversed(seq.shadow_block_ids)))
+            seq.shadow_block_ids = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
         self.release_held(seq)  # ended before it was admitted

@@ -102,6 +102,9 @@ class Sequence:
     #: the imported KV of a block-aligned prompt's last block, in a block of its own (not
     #: in the prefix cache): admitted with it, the request computes its last token only
     imported_last: int | None = None
+    #: cached blocks identical to blocks of this request's own (computed at the same time
+    #: by another request), held so that its later blocks' parents stay in the index
+    shadow_block_ids: list[int] = field(default_factory=list)
     traced: bool = False  # tracing is on: note when it is first scheduled
     scheduled_at: float | None = None  # time.monotonic() of its first admission, if traced
 
