@@ -332,7 +332,8 @@ def start_worker(
 ) -> Iterator[Callable[..., RunningWorker]]:
     """Start worker servers (settings as keywords; the test model by default)."""
     from kvpool.worker.engine import LLMEngine
-    from kvpool.worker.server import WorkerServer, uvicorn_server
+    from kvpool.worker.server import WorkerServer
+    from kvpool.worker.serving import uvicorn_server
     from kvpool.worker.settings import WorkerSettings
 
     running: list[RunningWorker] = []

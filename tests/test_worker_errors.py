@@ -31,7 +31,8 @@ def worker(llama_dir: Path, tiny_model: tuple[Any, Any]) -> Iterator[RunningWork
     the good request after each shows that none of them broke it. A short context and a
     small body limit make those two refusals cheap to provoke."""
     from kvpool.worker.engine import LLMEngine
-    from kvpool.worker.server import WorkerServer, uvicorn_server
+    from kvpool.worker.server import WorkerServer
+    from kvpool.worker.serving import uvicorn_server
     from kvpool.worker.settings import WorkerSettings
 
     settings = WorkerSettings(

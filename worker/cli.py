@@ -192,7 +192,7 @@ def _settings(values: dict[str, Any]) -> Any:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .serving import serve
 
     settings = _settings(_settings_values(args))
     serve(settings, log_level="debug" if args.verbose else "info")
@@ -200,7 +200,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_sim_fleet(args: argparse.Namespace) -> int:
-    from .server import serve_many
+    from .serving import serve_many
 
     if args.count < 1 or args.processes < 1:
         raise ValueError("--count and --processes must be at least 1")

@@ -20,30 +20,25 @@ from times the engine took anyway; with tracing off a request pays one ``None`` 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gc
 import ipaddress
-import json
 import logging
 import math
-import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvpool import __version__, tracing
 from kvpool.hashing import HASH_ALGORITHM
-from kvpool.httpguard import HttpLimits, guarded_protocol
 from kvpool.kv_events import EventPublisher
 from kvpool.openai_api import (
     ChatCompletionRequest,
@@ -64,11 +59,11 @@ from kvpool.signing import (
 )
 from kvpool.tokenization import render_chat
 
-from . import openai_format as fmt
-from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong, RequestOutput
+from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong
 from .engine_loop import EngineLoop, TimedOutput
-from .handoff_http import ClosingStream, HandOffEndpoints, require_bearer
+from .handoff_http import HandOffEndpoints, require_bearer
 from .metrics import RequestTimer, WorkerMetrics
+from .responses import Responses
 from .sequence import InvalidParam, SamplingParams
 from .settings import WorkerSettings
 
@@ -134,7 +129,7 @@ class _Job:
     trace: _Trace | None = None  # tracing is on
 
 
-class WorkerServer(HandOffEndpoints):
+class WorkerServer(HandOffEndpoints, Responses):
     def __init__(
         self, settings: WorkerSettings, engine_factory: EngineFactory | None = None
     ) -> None:
@@ -851,148 +846,9 @@ class WorkerServer(HandOffEndpoints):
                 self.loop.abort(request_id)
             job.unfinished.clear()
 
-    async def _answer(self, request: Request, job: _Job) -> Response:
-        headers = {"X-Request-Id": job.id.split("-", 1)[1]}
-        if job.stream:
-            return ClosingStream(
-                self._sse(job),
-                lambda: self._close(job),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        collect = asyncio.create_task(self._collect(job))
-        gone = asyncio.create_task(_disconnected(request))
-        try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not collect.done():  # the client left (or we were cancelled): stop its requests
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-        if collect.cancelled():
-            return Response(status_code=499)  # nobody is listening
-        return JSONResponse(collect.result(), headers=headers)
-
-    async def _collect(self, job: _Job) -> dict[str, Any]:
-        n = len(job.prepared)
-        texts = [""] * n
-        outs: list[list[RequestOutput]] = [[] for _ in range(n)]
-        try:
-            async with contextlib.aclosing(self._outputs(job)) as outputs:
-                async for i, item in outputs:
-                    outs[i].append(item.output)
-                    texts[i] += item.output.new_text
-        finally:
-            self._done(job)
-        choices = []
-        for i in range(n):
-            last = outs[i][-1]
-            if last.finish_reason == "error":
-                raise OpenAIError(
-                    500,
-                    "the engine failed while running this request",
-                    type="server_error",
-                    code="engine_error",
-                )
-            lps = [lp for o in outs[i] for lp in o.logprobs]
-            choices.append(self._choice(job, i, texts[i], last, lps, final=True))
-        body: dict[str, Any] = {
-            "id": job.id,
-            "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": fmt.usage([o[-1] for o in outs]),
-        }
-        if job.transfer is not None and job.transfer.do_remote_decode:
-            body["kv_transfer_params"] = await self._transfer_params(job.prepared[0])
-        return body
-
     @property
     def port(self) -> int:
         return self.bound_port or self.settings.port
-
-    def _choice(
-        self,
-        job: _Job,
-        index: int,
-        text: str,
-        out: RequestOutput,
-        lps: list[Any],
-        *,
-        final: bool,
-        text_offset: int = 0,
-    ) -> dict[str, Any]:
-        logprobs = None
-        if job.logprobs is not None:
-            tokenizer = self.engine.tokenizer if self.engine is not None else None
-            logprobs = fmt.logprobs(job.kind, lps, tokenizer, text_offset)
-        return fmt.choice(job.kind, index, text, out, logprobs, final=final)
-
-    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
-        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
-            body: dict[str, Any] = {
-                "id": job.id,
-                "object": obj,
-                "created": job.created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if job.include_usage:
-                body["usage"] = usage
-            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
-
-        lasts: dict[int, RequestOutput] = {}
-        offsets: dict[int, int] = {}  # per choice: where the next logprob token's text starts
-        try:
-            if job.kind == "chat":
-                yield chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i in range(len(job.prepared))
-                    ]
-                )
-            async with contextlib.aclosing(self._outputs(job)) as outputs:
-                async for i, item in outputs:
-                    out = item.output
-                    if out.finish_reason == "error":
-                        err = OpenAIError(
-                            500,
-                            "the engine failed while running this request",
-                            type="server_error",
-                            code="engine_error",
-                        )
-                        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
-                        yield b"data: [DONE]\n\n"
-                        return
-                    if out.finished:
-                        lasts[i] = out
-                    if out.new_text or out.finished or job.logprobs is not None:
-                        c = self._choice(
-                            job,
-                            i,
-                            out.new_text,
-                            out,
-                            out.logprobs,
-                            final=False,
-                            text_offset=offsets.get(i, 0),
-                        )
-                        if c["logprobs"] and "tokens" in c["logprobs"]:
-                            offsets[i] = offsets.get(i, 0) + sum(map(len, c["logprobs"]["tokens"]))
-                        yield chunk([c])
-            if job.include_usage:
-                yield chunk([], fmt.usage(list(lasts.values())))
-            yield b"data: [DONE]\n\n"
-        finally:
-            self._done(job)
 
 
 def _loopback(host: str | None) -> bool:
@@ -1012,101 +868,3 @@ def _reachable(endpoint: str, host: str) -> str:
     for wildcard in ("0.0.0.0", "*", "[::]"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-# -- running it ------------------------------------------------------------------------------
-class _Uvicorn(uvicorn.Server):
-    """A uvicorn server that starts draining its worker on SIGTERM/SIGINT; with
-    ``own_signals=False`` (several servers in one process) signals are left to the caller."""
-
-    def __init__(self, config: uvicorn.Config, worker: WorkerServer, own_signals: bool = True):
-        super().__init__(config)
-        self.worker = worker
-        self.own_signals = own_signals
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Future[None] | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if not self.own_signals:
-            yield
-            return
-        with super().capture_signals():
-            try:
-                yield
-            finally:
-                # uvicorn re-raises the signals it caught once it has shut down; after a
-                # clean drain that would kill the process with SIGTERM's default action.
-                self._captured_signals.clear()
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        """The first signal drains: health and new requests answer 503 while requests in
-        flight finish and decode workers pull the blocks pinned for them (the socket stays
-        open for that); then the server stops. A second signal stops it at once."""
-        # (A drain through /drain, the preStop hook's, is no first signal: this one still
-        # waits for pinned blocks, and /undrain cannot take it back.)
-        if self.worker.stopping or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        log.info("signal %s: draining for up to %.0f s", sig, self.worker.settings.drain_timeout_s)
-        self.worker.draining = self.worker.stopping = True
-        self._loop.call_soon_threadsafe(self._drain_then_exit)
-
-    def _drain_then_exit(self) -> None:
-        async def drain() -> None:
-            await self.worker.drain(wait_for_pins=True)
-            self.should_exit = True
-
-        self._drain_task = asyncio.ensure_future(drain())
-
-    async def startup(self, sockets: Any = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-        for server in self.servers:
-            for sock in server.sockets:
-                self.worker.bound_port = sock.getsockname()[1]
-
-
-def uvicorn_server(
-    worker: WorkerServer, *, own_signals: bool = True, log_level: str = "warning"
-) -> _Uvicorn:
-    s = worker.settings
-    config = uvicorn.Config(
-        worker.app,
-        host=s.host,
-        port=s.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
-        access_log=False,
-        lifespan="on",
-        # header time and size limits; connections per address effectively unlimited:
-        # every request comes from the pool's few routers, whose pools are unbounded
-        http=guarded_protocol(HttpLimits(max_connections_per_client=2**20)),
-    )
-    return _Uvicorn(config, worker, own_signals)
-
-
-def serve(settings: WorkerSettings, log_level: str = "info") -> None:
-    """Run one worker until SIGTERM/SIGINT, then drain."""
-    worker = WorkerServer(settings)
-    uvicorn_server(worker, log_level=log_level).run()
-
-
-async def serve_many(all_settings: list[WorkerSettings], log_level: str = "warning") -> None:
-    """Run several workers in one process and one event loop (the simulated fleet)."""
-    servers = [
-        uvicorn_server(WorkerServer(s), own_signals=False, log_level=log_level)
-        for s in all_settings
-    ]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda sig=sig: [s.handle_exit(sig, None) for s in servers])
-    await asyncio.gather(*(s.serve() for s in servers))
