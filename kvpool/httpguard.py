@@ -74,6 +74,7 @@ __all__ = [
     "guarded_config",
     "guarded_protocol",
     "read_body",
+    "server_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -379,6 +380,37 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     GuardedHttpToolsProtocol.clients = clients  # type: ignore[attr-defined]
     GuardedHttpToolsProtocol.refusals = refusals  # type: ignore[attr-defined]
     return GuardedHttpToolsProtocol
+
+
+def server_config(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    limits: HttpLimits,
+    drain_timeout_s: float,
+    log_level: str,
+    **options: Any,
+) -> uvicorn.Config:
+    """The uvicorn configuration every kvpool server (router, worker) runs under: HTTP
+    ``limits`` per client, a graceful shutdown within the drain timeout (in whole seconds,
+    as uvicorn takes it), lifespan events on, no access log. ``options``: any other of
+    ``uvicorn.Config``'s."""
+    import math
+
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=math.ceil(drain_timeout_s),
+        access_log=False,
+        lifespan="on",
+        http=guarded_protocol(limits),
+        **options,
+    )
 
 
 def guarded_config(config: uvicorn.Config, limits: HttpLimits) -> type[asyncio.Protocol]:

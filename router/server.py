@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import socket
 import time
 import uuid
@@ -32,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
-from kvpool.httpguard import BodyError, HttpLimits, guarded_protocol, read_body
+from kvpool.httpguard import BodyError, HttpLimits, read_body, server_config
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import (
     PrefixTokenCache,
@@ -797,23 +796,19 @@ class _Uvicorn(uvicorn.Server):
 
 def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
     s = router.settings
-    config = uvicorn.Config(
+    config = server_config(
         router.asgi,
-        interface="asgi3",
         host=s.host,
         port=s.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
-        access_log=False,
-        lifespan="on",
         # what one client may hold: its connections, its headers' time and size
-        http=guarded_protocol(
-            HttpLimits(
-                header_timeout_s=s.header_timeout_s,
-                max_header_bytes=s.max_header_bytes,
-                max_connections_per_client=s.max_connections_per_client,
-            )
+        limits=HttpLimits(
+            header_timeout_s=s.header_timeout_s,
+            max_header_bytes=s.max_header_bytes,
+            max_connections_per_client=s.max_connections_per_client,
         ),
+        drain_timeout_s=s.drain_timeout_s,
+        log_level=log_level,
+        interface="asgi3",
     )
     return _Uvicorn(config, router)
 

@@ -253,11 +253,12 @@ class KVHandOff:
             self._write_blocks([b for _, b in places], view)
         plan.received = max(plan.received, first + count)
 
-    def finish_import(self, plan: BlockImport, *, complete: bool | None = None) -> int:
+    def finish_import(self, plan: BlockImport, *, complete: bool = False) -> int:
         """Cache what arrived whole (published as ``BlockStored``), free the rest, and hand
         the blocks to the request they are for. ``complete``: every block's bytes arrived
-        (a simulated engine's blocks have none to wait for); by default, what
-        :meth:`write_import` saw. Returns how many of the prompt's blocks are in place."""
+        (a simulated engine's blocks have none to wait for); otherwise, what
+        :meth:`write_import` saw arrive. Returns how many of the prompt's blocks are in
+        place."""
         if plan.finished:
             raise ValueError("the import is finished")
         plan.finished = True
@@ -304,7 +305,7 @@ class KVHandOff:
             if not plan.finished:
                 self.finish_import(plan)
             if plan.hold_for is not None:
-                self.scheduler.release_held(plan.hold_for)
+                self.release_held(plan.hold_for)
 
     def import_blocks(
         self,
@@ -336,7 +337,7 @@ class KVHandOff:
             except BaseException:
                 self.abort_import(plan)
                 raise
-            return self.finish_import(plan, complete=not block_bytes or None)
+            return self.finish_import(plan, complete=True)  # its length was checked above
 
     def release_held(self, seq: Seq) -> None:
         """Let go of blocks imported for a request that will not run (its client left

@@ -44,11 +44,7 @@ CHUNK_BYTES = 8 * 2**20
 
 class TransferError(RuntimeError):
     """The blocks could not be fetched or do not fit this worker (the caller falls back to
-    computing the prefill itself). ``received``: whole blocks that arrived before it."""
-
-    def __init__(self, message: str, *, received: int = 0) -> None:
-        super().__init__(message)
-        self.received = received
+    computing the prefill itself)."""
 
 
 @dataclass
@@ -171,8 +167,8 @@ async def pull_blocks_into(
 ) -> TransferHeader:
     """Stream a transfer into ``sink``, ``CHUNK_BYTES`` of whole blocks at a time (the
     body is never held whole). Raises :class:`TransferError` on any failure, a body cut
-    short included (the prefill worker died mid-transfer), with ``received`` set to the
-    blocks the sink got. ``timeout``: for connecting and for each read. ``headers``: the
+    short included (the prefill worker died mid-transfer), once the sink has every run of
+    whole blocks that arrived. ``timeout``: for connecting and for each read. ``headers``: the
     hand-off's token (in ``Authorization``); never part of an error message."""
     buf = bytearray()
     header: TransferHeader | None = None
@@ -205,9 +201,6 @@ async def pull_blocks_into(
                 first, buf = await _write_whole(sink, header, first, buf, url)
     except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
         error = TransferError(f"pulling {url} failed: {exc!r}")
-    except TransferError as exc:
-        exc.received = first
-        raise
     finally:
         if writer is not None:
             writer.close()
@@ -219,7 +212,6 @@ async def pull_blocks_into(
     if buf and got <= header.body_bytes:  # what came whole is good, even if the rest did not
         first, buf = await _write_whole(sink, header, first, buf, url)
     if error is not None:
-        error.received = first
         raise error
     return header
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import signal
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 
-from kvpool.httpguard import HttpLimits, guarded_protocol
+from kvpool.httpguard import HttpLimits, server_config
 
 from .server import WorkerServer
 from .settings import WorkerSettings
@@ -77,17 +76,15 @@ def uvicorn_server(
     worker: WorkerServer, *, own_signals: bool = True, log_level: str = "warning"
 ) -> _Uvicorn:
     s = worker.settings
-    config = uvicorn.Config(
+    config = server_config(
         worker.app,
         host=s.host,
         port=s.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=math.ceil(s.drain_timeout_s),
-        access_log=False,
-        lifespan="on",
         # header time and size limits; connections per address effectively unlimited:
         # every request comes from the pool's few routers, whose pools are unbounded
-        http=guarded_protocol(HttpLimits(max_connections_per_client=2**20)),
+        limits=HttpLimits(max_connections_per_client=2**20),
+        drain_timeout_s=s.drain_timeout_s,
+        log_level=log_level,
     )
     return _Uvicorn(config, worker, own_signals)
 
