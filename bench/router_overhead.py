@@ -855,11 +855,144 @@ async def part_one(
                     file=sys.stderr,
                     flush=True,
                 )
+        if args.profile_s > 0:
+            setup["profile"] = await profile_router(
+                model, workers, router_cpus, logs, mixes["main"], args
+            )
     finally:
         stop(stub)
         if load_cpus:
             os.sched_setaffinity(0, set(cpus))
     return results, setup
+
+
+# -- where the kvpool router's time goes ------------------------------------------------------
+
+#: the innermost frame that matches one of these (file or function, in order) names a
+#: sample's part; a sample with no Python frame under the loop's is the event loop's own
+#: work in C (uvloop, sockets, httptools' parser, callbacks)
+PROFILE_PARTS = (
+    ("tokenizing the prompt", ("kvpool/tokenization.py", "tokenizers", "router/tokens.py")),
+    ("hashing the prompt's blocks", ("kvpool/hashing.py",)),
+    ("the index (match, speculate)", ("router/index.py", "router/feed.py")),
+    ("planning (views, policy)", ("router/policy.py", "router/pool.py", "router/load.py")),
+    ("admission and tenants", ("router/admission.py", "router/tenants.py", "router/flow.py")),
+    ("parsing the request", ("router/request.py", "kvpool/openai_api.py", "json/")),
+    ("the client to the workers", ("router/upstream.py",)),
+    ("forwarding and relaying", ("router/forward.py", "router/relay.py", "router/sse.py")),
+    ("metrics (prometheus_client)", ("prometheus_client", "router/metrics.py")),
+    ("uvicorn and Starlette", ("uvicorn/", "starlette/", "fastapi/", "kvpool/httpguard.py")),
+    ("the rest of the gateway", ("router/",)),
+)
+LOOP_FRAMES = ("Runner.run", "asyncio_run", "Server.run", "Server.serve", "<module>")
+
+
+def profile_parts(raw: str) -> tuple[list[tuple[str, float]], list[tuple[str, float]], int]:
+    """py-spy's raw (folded) samples: each part's share, the top functions by own share,
+    and the sample count."""
+    parts: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        leaf = frames[-1]
+        own[leaf] = own.get(leaf, 0) + n
+        part = "other Python (asyncio, the standard library)"
+        if leaf.split(" (")[0] in LOOP_FRAMES:
+            part = "the event loop in C (no Python frame)"
+        else:
+            for frame in reversed(frames):
+                where = frame.rsplit("(", 1)[-1]
+                found = next(
+                    (name for name, keys in PROFILE_PARTS if any(k in where for k in keys)), None
+                )
+                if found is not None:
+                    part = found
+                    break
+        parts[part] = parts.get(part, 0) + n
+    share = lambda d: sorted(((k, v / total) for k, v in d.items()), key=lambda kv: -kv[1])  # noqa: E731
+    return (share(parts), share(own)[:15], total) if total else ([], [], 0)
+
+
+def start_py_spy(pid: int, seconds: float, out: Path, log: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy recording ``pid`` for ``seconds`` into ``out`` (raw folded stacks, 100
+    samples a second, sampled from outside without stopping the process); None when py-spy
+    is not installed."""
+    import shutil
+
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).is_file():
+        return None
+    argv = [spy, "record", "--nonblocking", "-r", "100", "-f", "raw", "-o", str(out)]
+    argv += ["-d", str(round(seconds)), "-p", str(pid)]
+    with log.open("wb") as err:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+
+
+async def profile_router(
+    model: Path,
+    workers: list[str],
+    cpus: set[int] | None,
+    logs: Path,
+    mix: list[bytes],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The kvpool router at ``args.rate`` under py-spy, after the measured rounds: what its
+    CPU per request goes to. Says why when there is no profile (py-spy missing, or not
+    allowed to attach)."""
+    target = await asyncio.to_thread(start_router, "kvpool", model, workers, cpus, logs)
+    assert target.proc is not None
+    out, log = logs / "router-profile.txt", logs / "py-spy.log"
+    client = Client(target.ports)
+    try:
+        await run_phase(client, mix, args.rate, args.warmup_s, seed=999)
+        await client.drain(10.0)
+        recorder = await asyncio.to_thread(start_py_spy, target.proc.pid, args.profile_s, out, log)
+        if recorder is None:
+            return {"error": "py-spy is not installed (pip install py-spy)"}
+        pids = {"router": target.proc.pid}
+        phase = await run_phase(client, mix, args.rate, args.profile_s, seed=7, pids=pids)
+        await client.drain(10.0)
+        await asyncio.to_thread(recorder.wait, 30)
+        raw = await asyncio.to_thread(lambda: out.read_text() if out.is_file() else "")
+        if not raw:
+            why = await asyncio.to_thread(log.read_text)
+            return {"error": why[-300:].strip() or "no samples"}
+    finally:
+        client.close()
+        stop(target.proc)
+    parts, top, samples = profile_parts(raw)
+    return {
+        "rate": args.rate,
+        "seconds": args.profile_s,
+        "samples": samples,
+        "cpu_ms_per_request": phase.cpu_ms["router"],
+        "parts": [[k, round(v, 4)] for k, v in parts],
+        "top": [[k, round(v, 4)] for k, v in top],
+    }
+
+
+def render_profile(prof: dict[str, Any]) -> list[str]:
+    if "error" in prof:
+        return [f"(no profile: {prof['error']})"]
+    cpu = prof["cpu_ms_per_request"]
+    lines = [
+        f"The kvpool router at {prof['rate']:g} req/s for {prof['seconds']:g} s under py-spy "
+        f"({prof['samples']:,} samples of its busy time; {cpu:.3f} ms of CPU per request "
+        f"meanwhile). A part is the innermost frame of a sample that belongs to it.",
+        "",
+        "| part of the router's CPU | share | ms per request |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {k} | {v:.0%} | {v * cpu:.3f} |" for k, v in prof["parts"]]
+    lines += ["", "| function (own time) | share |", "|---|---:|"]
+    lines += [f"| `{k}` | {v:.1%} |" for k, v in prof["top"]]
+    return lines
 
 
 # -- part 3: long prompts ----------------------------------------------------------------------
@@ -1334,6 +1467,7 @@ def render(
     fig: dict[str, Any], decision: dict[str, Any], setup: dict[str, Any], args: argparse.Namespace
 ) -> tuple[str, dict[str, bool]]:
     kv, sg, di, ba = fig["kvpool"], fig["sglang"], fig["direct"], fig["bare"]
+    profile = setup.get("profile")
 
     def added(f: dict[str, Any], mix: str, tag: str) -> str:
         lo, hi = f[f"{mix}_added_{tag}_ms_range"]
@@ -1527,6 +1661,11 @@ def render(
             "",
             *(["## Long prompts", "", *render_long(long, args), ""] if long else []),
             *(["## Every core", "", *render_cores(cores_all), ""] if cores_all else []),
+            *(
+                ["## Where the kvpool router's time goes", "", *render_profile(profile), ""]
+                if profile
+                else []
+            ),
             "## Goals",
             "",
             *goal_lines,
@@ -1606,6 +1745,12 @@ def main() -> int:
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     parser.add_argument("--long-prompts", type=int, default=15, help="prompts per size")
+    parser.add_argument(
+        "--profile-s",
+        type=float,
+        default=10.0,
+        help="seconds of py-spy on the kvpool router at --rate (0: none)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run (~2 min)")
     parser.add_argument(
         "--only-long", action="store_true", help="only the long-prompt part, printed, not saved"
@@ -1615,10 +1760,19 @@ def main() -> int:
         action="store_true",
         help="only the every-core part (1 and 2 processes), printed, not saved",
     )
+    parser.add_argument(
+        "--only-decision",
+        action="store_true",
+        help="only the decision-time part, printed, not saved",
+    )
     args = parser.parse_args()
+    if args.only_decision:
+        print(json.dumps(part_two(args), indent=2))
+        return 0
     if args.quick:
         args.rounds, args.phase_s, args.short_phase_s, args.warmup_s = 1, 3.0, 2.0, 1.0
         args.step_s, args.decisions, args.long_prompts = 2.0, 300, 5
+        args.profile_s = min(args.profile_s, 3.0)
 
     started, load_start = time.monotonic(), os.getloadavg()[0]
     import tempfile
@@ -1693,6 +1847,7 @@ def main() -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "targets": fig,
         "decision": decision,
+        "profile": setup.get("profile"),
     }
     out |= index_figures(args.results_dir)
     args.results_dir.mkdir(parents=True, exist_ok=True)

@@ -106,9 +106,13 @@ class RouteRequest:
     affinity: str | None = None  # the worker this request's session was last sent to
     # The last token is always computed, so a fully cached prompt still prefills one.
     _most_cached: int = field(init=False, repr=False, compare=False)
+    # Within one :meth:`Policy.decide`: each worker's predicted TTFT, computed once for its
+    # explanation row and read by the scorers (empty outside a decision)
+    _ttft: dict[str, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._most_cached = max(self.num_tokens - 1, 0)
+        self._ttft = {}
 
     def cached_tokens(self, worker: WorkerView) -> int:
         # asked of every worker by several scorers in each decision: kept lean
@@ -240,7 +244,10 @@ def predicted_ttft(req: RouteRequest, w: WorkerView) -> float:
 
 def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
     """The best predicted TTFT over each worker's: 1 for the fastest, 0.5 for twice as slow."""
-    ttft = {w.id: predicted_ttft(req, w) for w in workers}
+    known = req._ttft
+    ttft = {
+        w.id: t if (t := known.get(w.id)) is not None else predicted_ttft(req, w) for w in workers
+    }
     best = min(ttft.values())
     return {k: best / v if v > 0 else 1.0 for k, v in ttft.items()}
 
@@ -352,20 +359,36 @@ class Policy:
         self, req: RouteRequest, workers: Sequence[WorkerView], *, dry_run: bool = False
     ) -> Decision:
         """The choice and its explanation. ``dry_run``: the round-robin position stays."""
-        cfg = self.config
-        rows = {
-            w.id: Candidate(
-                worker=w.id,
-                cached_tokens=req.cached_tokens(w),
-                queued_tokens=w.queued_tokens,
-                in_flight=w.in_flight,
-                kv_usage=w.kv_usage,
-                predicted_ttft_s=predicted_ttft(req, w),
-                batch_capacity=w.batch_capacity,
-                batch_announced=w.batch_announced,
+        rows = {}
+        ttft = req._ttft = {}
+        num_tokens = req.num_tokens
+        for w in workers:  # every worker, every decision: positional, each figure once
+            cached = req.cached_tokens(w)
+            predicted = ttft[w.id] = w.prefill.predict(w.queued_tokens + num_tokens - cached)
+            rows[w.id] = Candidate(
+                w.id,
+                None,
+                cached,
+                w.queued_tokens,
+                w.in_flight,
+                w.kv_usage,
+                predicted,
+                w.batch_capacity,
+                w.batch_announced,
             )
-            for w in workers
-        }
+        try:
+            return self._decide(req, workers, rows, dry_run)
+        finally:
+            req._ttft = {}
+
+    def _decide(
+        self,
+        req: RouteRequest,
+        workers: Sequence[WorkerView],
+        rows: dict[str, Candidate],
+        dry_run: bool,
+    ) -> Decision:
+        cfg = self.config
         alive = list(workers)
         for name, check in self._filters:
             dropped = check(req, alive, cfg)
