@@ -14,9 +14,10 @@ Four figures, each from one run on this machine:
   growth (within 5 MB of allocator noise).
 * decode step: one engine step of 16 decoding requests at contexts of 256, 1k, 4k and 16k
   tokens, on the gather path (each context copied into a padded batch), the paged path
-  (FlexAttention reading the cache in place) and Hugging Face with its KV cache (a
-  ``DynamicCache`` of the same length). Goal: the paged step grows no faster than the KV
-  bytes it reads.
+  (reading the cache in place: FlexAttention through Triton on CUDA, the C kernel on CPU,
+  with FlexAttention through inductor timed beside it on CPU) and Hugging Face with its KV
+  cache (a ``DynamicCache`` of the same length). Goal: the paged step grows no faster than
+  the KV bytes it reads.
 * decode throughput: output tokens/s at batch 1, 32 and 128 (128-token prompts, 128 new
   tokens each), both paths against HF ``generate``.
 
@@ -98,13 +99,14 @@ def decode_steps(model, tokenizer, hf, device: str, batch: int, steps: int) -> d
     """Median time of one decode step of ``batch`` requests at each context, per path."""
     rng = random.Random(4)
     c = model.config
-    out: dict[str, dict[str, list[float]]] = {"gather": {}, "paged": {}, "hf": {}}
+    paths = _paths(device)
+    out: dict[str, dict[str, list[float]]] = {p: {} for p in (*paths, "hf")}
     for label, ctx in CONTEXTS.items():
         prompts = [[rng.randrange(3, c.vocab_size) for _ in range(ctx)] for _ in range(batch)]
         # early requests decode while later ones prefill: room for those tokens too
         max_tokens = steps + 4 + batch * ctx // 8192
         blocks = batch * -(-(ctx + max_tokens + 16) // 16) + 16
-        for path in ("gather", "paged"):
+        for path in paths:
             try:
                 out[path][label] = _engine_decode_steps(
                     model, tokenizer, device, path, batch, blocks, prompts, max_tokens, steps
@@ -115,6 +117,13 @@ def decode_steps(model, tokenizer, hf, device: str, batch: int, steps: int) -> d
             gc.collect()
         out["hf"][label] = hf_decode_steps(hf, c, device, batch, ctx, steps)
     return out
+
+
+def _paths(device: str) -> tuple[str, ...]:
+    """The engine's decode paths to time: on CPU the paged path is the C kernel, and
+    FlexAttention (what the paged path is on CUDA) is timed beside it, the measurement
+    that chose it."""
+    return ("gather", "paged") if device.startswith("cuda") else ("gather", "paged", "flex")
 
 
 def _engine_decode_steps(
@@ -365,15 +374,21 @@ def decode_rows(d: dict, c, dtype: str, batch: int) -> tuple[list[str], dict]:
     """The decode-step table, and whether the paged step grows no faster than its bytes."""
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    flex = "flex" in d
+    kernel = "C kernel" if flex else "FlexAttention"
     rows = [
-        "| context | KV read per step | gather, ms | paged, ms | HF + KV cache, ms "
-        "| paged / gather |",
-        "|---|---|---|---|---|---|",
+        f"| context | KV read per step | gather, ms | paged ({kernel}), ms "
+        + ("| FlexAttention (inductor), ms " if flex else "")
+        + "| HF + KV cache, ms | paged / gather | paged / HF |",
+        "|---|---|---|---|---|---|---|" + ("---|" if flex else ""),
     ]
     for label, ctx in CONTEXTS.items():
         g, p, h = (_ms(d[k][label]) for k in ("gather", "paged", "hf"))
+        f = f" {_ms(d['flex'][label])} |" if flex else ""
         mib = batch * ctx * per_token / 2**20
-        rows.append(f"| {label} | {mib:,.1f} MiB | {g} | {p} | {h} | {p / g:.2f} |")
+        rows.append(
+            f"| {label} | {mib:,.1f} MiB | {g} | {p} |{f} {h} | {p / g:.2f} | {p / h:.2f} |"
+        )
     first, last = "256", "16k"
     growth = _ms(d["paged"][last]) / _ms(d["paged"][first])
     bytes_growth = CONTEXTS[last] / CONTEXTS[first]

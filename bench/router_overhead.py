@@ -1164,6 +1164,16 @@ async def part_four(args: argparse.Namespace, model: Path, logs: Path) -> dict[s
 # -- part 2: decision time --------------------------------------------------------------------
 
 
+def decision_in_a_fresh_process(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`part_two` in a process of its own, as the router's decisions are: this one
+    holds the load generator's records of every request sent (hundreds of thousands of
+    objects), whose memory and garbage are not the router's."""
+    argv = [sys.executable, ME, "--only-decision", "--decisions", str(args.decisions)]
+    argv += ["--indexed-blocks", str(args.indexed_blocks)]
+    done = subprocess.run(argv, env=ENV, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout)
+
+
 def part_two(args: argparse.Namespace) -> dict[str, Any]:
     """Decision time over 64 workers and a million indexed (block, worker) entries."""
     import numpy as np
@@ -1638,8 +1648,8 @@ def render(
         f"other requests. The workers answer in microseconds, so every millisecond above is "
         f"routing and proxying: a real worker's tens to hundreds of milliseconds would dwarf "
         f"it, but the router is in every request's path.\n\n"
-        f"Decision time: `kvpool.router`'s index, pool views and policy in this process, no "
-        f"HTTP; {d['distinct_blocks']:,} distinct blocks, ~{d['index_mb']:.0f} MB of index "
+        f"Decision time: `kvpool.router`'s index, pool views and policy in a process of its "
+        f"own, no HTTP; {d['distinct_blocks']:,} distinct blocks, ~{d['index_mb']:.0f} MB of index "
         f"(built in {d['populate_s']:.1f} s); prompts: half new questions on a shared prefix "
         f"(Zipf), a quarter follow-ups of a cached conversation, a quarter cold (longest "
         f"match {d['matched_blocks_mean']:.0f} blocks on average); each decision's blocks are "
@@ -1801,7 +1811,7 @@ def main() -> int:
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
             raise
     print("decision time: populating the index", file=sys.stderr, flush=True)
-    decision = part_two(args)
+    decision = decision_in_a_fresh_process(args)
     setup["loadavg"] = [load_start, os.getloadavg()[0]]
     fig = figures(results)
     text, goals = render(fig, decision, setup, args)

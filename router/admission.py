@@ -110,6 +110,7 @@ class Gate:
             clock=clock,
         )
         self.active = 0
+        self.admitted = 0  # requests given a slot, since start (this process's)
         self.saturated_by: str | None = None  # why the pool was saturated when last asked
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -334,6 +335,7 @@ class Gate:
         p.slot = True
         p.cost = cost
         self.active += 1
+        self.admitted += 1
         self.queue.charge(band, p.tenant.name, cost, p.tenant.weight)
 
     def _shed(self, p: Pass, reason: str) -> None:
@@ -374,6 +376,7 @@ class Gate:
                 p.slot = True
                 p.cost = entry.cost
                 self.active += 1
+                self.admitted += 1
                 entry.future.set_result(None)
                 # Its load must count at its worker before the next saturation check, or
                 # one moment of room would let the whole queue through at once.

@@ -366,6 +366,7 @@ class Router:
             "status": "ok" if up else "no_workers",
             "workers_up": up,
             "process": self.slot.index,
+            "requests": self._gate().admitted,  # this process's, since it started
         }
         return JSONResponse(body, status_code=200 if up else 503)
 

@@ -19,6 +19,12 @@ from kvpool.stack import free_port, wait_healthy
 
 pytestmark = pytest.mark.timeout(300)
 
+#: the router's bound on what it keeps of prompts (its prefix token cache), configured here
+TOKEN_CACHE_MIB = 0.5
+#: what one request in flight may hold meanwhile (a 3 MB body, its text, its JSON), and
+#: what the allocator keeps of it
+IN_FLIGHT_MIB = 24
+
 WORDS = "order ships within two days unless made returns accepted receipt café 東京".split()
 
 
@@ -35,7 +41,7 @@ def router_process(llama_dir: Path, worker_processes: Any) -> Any:
     port = free_port()
     argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
     argv += ["router", "serve", "--model", str(llama_dir), "--port", str(port)]
-    argv += ["--worker", worker.url, "--token-cache-mib", "16"]
+    argv += ["--worker", worker.url, "--token-cache-mib", str(TOKEN_CACHE_MIB)]
     proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -63,12 +69,17 @@ def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_p
     rng = random.Random(7)
     with httpx.Client(base_url=url, timeout=60) as client:
         context = client.get("/v1/models").json()["data"][0]["max_model_len"]
-        # long prompts that fill the token cache first, so the baseline holds what any
-        # router serving long prompts holds
-        for _ in range(4):
-            client.post("/v1/completions", json={"prompt": huge_prompt(rng, 2000), "max_tokens": 1})
+        # distinct long prompts within the context, kept by the token cache until it is
+        # full (its bound: ~3 KiB each), so the baseline holds what any router serving long
+        # prompts holds
+        for _ in range(300):
+            warm = client.post(
+                "/v1/completions", json={"prompt": huge_prompt(rng, 1000), "max_tokens": 1}
+            )
+            assert warm.status_code == 200, warm.text[:300]
         baseline = rss_mib(proc.pid)
-        bound = 16 + 96  # the token cache's 16 MiB, and room for requests in flight
+        bound = TOKEN_CACHE_MIB + IN_FLIGHT_MIB
+        growth: list[float] = []
         base = huge_prompt(rng, 3 * 2**20)  # 3 MB: far over the context
         for i in range(100):
             prompt = f"Request {i}: {base}"  # each one distinct from its first word
@@ -84,6 +95,9 @@ def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_p
             assert f"maximum context length is {context:,} tokens" in error["message"]
             grown = rss_mib(proc.pid) - baseline
             assert grown <= bound, f"after {i + 1} prompts the router grew {grown:.0f} MiB"
+            growth.append(grown)
+        # and no slope: the second fifty prompts add nothing the first fifty did not
+        assert growth[-1] - growth[49] <= 4, f"grew {growth[-1] - growth[49]:.1f} MiB more"
         # and it still serves
         ok = client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 2})
         assert ok.status_code == 200, ok.text

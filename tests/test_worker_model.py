@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.worker.attention import AttentionMetadata, paged_attention, reference_attention
+from kvpool.worker.attention_cpu import CpuPagedDecode
 from kvpool.worker.attention_flex import FlexDecode
 from kvpool.worker.engine import EngineConfig, LLMEngine
 from kvpool.worker.loader import load_model, load_tokenizer
@@ -176,27 +177,85 @@ def _scattered_batch(rows, gen, heads=4, kv_heads=2, head_dim=8, block_size=4, n
         [(1, 47), (1, 2), (1, 90)],  # 3 rows: padded to a batch of 4
     ],
 )
-def test_the_paged_decode_path_reads_the_cache_in_place_and_agrees(rows) -> None:
-    """Decode rows through FlexAttention over the block tables: the same attention as the
-    plain definition, while the gather path's padded copies are never built. (Head and block
-    sizes as the engine's: inductor's CPU kernel takes 16 and up.)"""
+@pytest.mark.parametrize("kernel", [FlexDecode, CpuPagedDecode])
+def test_the_paged_decode_path_reads_the_cache_in_place_and_agrees(rows, kernel) -> None:
+    """Decode rows through a kernel that reads the block tables (FlexAttention; the C
+    kernel): the same attention as the plain definition, while the gather path's padded
+    copies are never built. (Head and block sizes as the engine's: inductor's CPU kernel
+    takes 16 and up.)"""
     gen = torch.Generator().manual_seed(len(rows))
     k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
         rows, gen, head_dim=32, block_size=16, num_blocks=512
     )
-    flex = FlexDecode(k_cache.shape[0], 16, max_rows=8, max_blocks_per_seq=8, device="cpu")
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", flex=flex)
-    assert meta.decode == [] and meta.flex is flex  # no gathered decode batch
-    assert flex.rows == sum(q == 1 for q, _ in rows)
+    paged = kernel(k_cache.shape[0], 16, max_rows=8, max_blocks_per_seq=8, device="cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", paged=paged)
+    assert meta.decode == [] and meta.paged is paged  # no gathered decode batch
+    assert paged.rows == sum(q == 1 for q, _ in rows)
     got = paged_attention(q, k, v, k_cache, v_cache, meta, 32**-0.5)
     expected = reference_attention(q, k_cache, v_cache, meta, 32**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (6, 1)])
+def test_the_cpu_kernel_reads_half_precision_caches_and_grouped_heads(
+    dtype, heads, kv_heads
+) -> None:
+    """The C kernel on a bfloat16 or float16 cache (converted as it reads, accumulated in
+    float32), with 4, 1 and 6 query heads per KV head: the plain definition's answer to
+    the half-precision rounding."""
+    rows = [(1, 37), (1, 0), (1, 63), (1, 200)]
+    gen = torch.Generator().manual_seed(heads * kv_heads)
+    k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
+        rows, gen, heads=heads, kv_heads=kv_heads, head_dim=64, block_size=16, num_blocks=64
+    )
+    k_cache, v_cache, q, k, v = (t.to(dtype) for t in (k_cache, v_cache, q, k, v))
+    paged = CpuPagedDecode(64, 16, max_rows=4, max_blocks_per_seq=16, device="cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", paged=paged)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, 64**-0.5)
+    expected = reference_attention(q, k_cache, v_cache, meta, 64**-0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_cpu_kernel_stays_finite_when_scores_are_large() -> None:
+    """Scores in the hundreds (a sharp attention head): the online softmax subtracts each
+    running maximum, so nothing overflows, and the answer is still the definition's."""
+    rows = [(1, 90), (1, 31)]
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache, query_lens, seq_lens, tables, (q, k, v) = _scattered_batch(
+        rows, gen, heads=4, kv_heads=2, head_dim=32, block_size=16, num_blocks=32
+    )
+    q = q * 60  # scores of a few hundred at scale 32**-0.5
+    paged = CpuPagedDecode(32, 16, max_rows=2, max_blocks_per_seq=8, device="cpu")
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 16, "cpu", paged=paged)
+    got = paged_attention(q, k, v, k_cache, v_cache, meta, 32**-0.5)
+    assert torch.isfinite(got).all()
+    expected = reference_attention(q, k_cache, v_cache, meta, 32**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_cpu_kernel_refuses_a_table_that_points_outside_the_cache() -> None:
+    """A block id beyond the cache is an error the engine sees, not a read of memory that
+    is not the cache's."""
+    paged = CpuPagedDecode(8, 16, max_rows=2, max_blocks_per_seq=4, device="cpu")
+    k_cache = torch.zeros(8, 16, 2, 16)
+    paged.plan([[3, 9]], [20])  # block 9 of 8
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged.attend(torch.zeros(1, 4, 16), k_cache, torch.zeros_like(k_cache), 0.25)
+    with pytest.raises(ValueError, match="needs 2 blocks; it has 1"):
+        paged.plan([[3]], [20])
+    paged.plan([[3, 4]], [20])
+    with pytest.raises(ValueError, match="blocks of 8 tokens, head size 16"):  # not its cache
+        small = torch.zeros(8, 8, 2, 16)
+        paged.attend(torch.zeros(1, 4, 16), small, torch.zeros_like(small), 0.25)
+
+
 def test_the_paged_path_is_chosen_by_name_and_auto_follows_the_device(llama_dir: Path) -> None:
     model = load_model(llama_dir)
-    assert ModelRunner(model, 16, 16, attention="paged").flex is not None
-    assert ModelRunner(model, 16, 16, attention="gather").flex is None
+    assert isinstance(ModelRunner(model, 16, 16, attention="paged").paged, CpuPagedDecode)
+    assert ModelRunner(model, 16, 16, attention="gather").paged is None
+    assert isinstance(ModelRunner(model, 16, 16, attention="flex").paged, FlexDecode)
     assert EngineConfig().resolved_attention(torch.device("cpu")) == "gather"
     assert EngineConfig().resolved_attention(torch.device("cuda")) == "paged"
     with pytest.raises(ValueError, match="not one of gather, paged"):
@@ -206,7 +265,7 @@ def test_the_paged_path_is_chosen_by_name_and_auto_follows_the_device(llama_dir:
 def test_greedy_generation_on_the_paged_path_matches_hugging_face(llama_dir: Path) -> None:
     config = EngineConfig(num_blocks=64, device="cpu", attention="paged", max_num_seqs=8)
     engine = LLMEngine.from_pretrained(llama_dir, config)
-    assert engine.runner.flex is not None
+    assert isinstance(engine.runner.paged, CpuPagedDecode)
     _assert_greedy_matches_hf(engine, llama_dir, max_tokens=24)
 
 

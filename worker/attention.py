@@ -10,7 +10,10 @@ The causal mask is aligned to the *end* of the key sequence: query ``j`` of a se
 has ``q`` new tokens and ``L`` keys in all sits at position ``L - q + j``. That is what
 chunked prefill and prefix-cache hits need, since their queries start part-way through.
 
-Decode rows (one query each) are gathered into padded batches of similar context length,
+Decode rows (one query each) take one of two ways. With a :class:`PagedDecode` kernel (the
+``paged`` path: :mod:`.attention_flex` on CUDA, :mod:`.attention_cpu` on CPU) they read the
+cache in place through their block tables. Otherwise (the ``gather`` path) they are
+gathered into padded batches of similar context length,
 each bounded to ``DECODE_GATHER_TOKENS`` context slots and to ``GATHER_PADDING`` times the
 context its rows use (so one long row does not pad every short one to its length), each run as
 one ``scaled_dot_product_attention`` call; prefill rows run one sequence at a time, where
@@ -23,16 +26,30 @@ PyTorch's memory-efficient kernel takes masks but not grouped heads).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .attention_flex import FlexDecode
-
 #: context slots one padded decode gather may hold (rows x longest context)
 DECODE_GATHER_TOKENS = 32768
+
+
+class PagedDecode(Protocol):
+    """The seam for a kernel that reads decode rows' K/V in place through their block
+    tables: :class:`.attention_flex.FlexDecode` (FlexAttention, Triton on CUDA) and
+    :class:`.attention_cpu.CpuPagedDecode` (a C kernel). The scheduler and the runner see
+    only this."""
+
+    def plan(self, tables: list[list[int]], lens: list[int]) -> None:
+        """This step's decode rows: each one's block table and context length (its new
+        token included), into the kernel's persistent buffers."""
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q`` ``[rows, heads, head_dim]`` (the planned rows' new tokens) against one
+        layer's cache ``[num_blocks, block_size, kv_heads, head_dim]``."""
 
 
 @dataclass
@@ -64,8 +81,8 @@ class AttentionMetadata:
     prefills: list[PrefillRow] = field(default_factory=list)
     decode: list[DecodeBatch] = field(default_factory=list)
     # the paged path: decode rows read the cache in place (``decode`` is then empty)
-    flex: FlexDecode | None = None
-    flex_rows: torch.Tensor | None = None
+    paged: PagedDecode | None = None
+    paged_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -75,7 +92,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         decode_gather_tokens: int = DECODE_GATHER_TOKENS,
-        flex: FlexDecode | None = None,
+        paged: PagedDecode | None = None,
     ) -> AttentionMetadata:
         """Everything the layers need, computed once per step (index tensors, masks)."""
         starts = [0]
@@ -108,13 +125,13 @@ class AttentionMetadata:
                 queries = torch.arange(total - q, total, device=device)
                 mask = keys[None, :] <= queries[:, None]
                 prefills.append(PrefillRow(start, q, ctx.to(device), mask))
-        flex_rows = None
-        if flex is not None and decode_rows:
-            flex.plan(decode_tables, decode_lens)
-            flex_rows = torch.tensor(decode_rows, device=device)
+        paged_rows = None
+        if paged is not None and decode_rows:
+            paged.plan(decode_tables, decode_lens)
+            paged_rows = torch.tensor(decode_rows, device=device)
             decode = []
         else:
-            flex = None
+            paged = None
             decode = [
                 _decode_batch(
                     [decode_rows[i] for i in group],
@@ -135,8 +152,8 @@ class AttentionMetadata:
             block_size=block_size,
             prefills=prefills,
             decode=decode,
-            flex=flex,
-            flex_rows=flex_rows,
+            paged=paged,
+            paged_rows=paged_rows,
         )
 
 
@@ -244,8 +261,9 @@ def paged_attention(
         kd = k_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         vd = v_flat.index_select(0, d.slots).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
         out[d.q_index] = _sdpa(qd, kd, vd, d.mask, scale).squeeze(2)
-    if meta.flex is not None:
-        out[meta.flex_rows] = meta.flex.attend(q[meta.flex_rows], k_cache, v_cache, scale)
+    if meta.paged is not None:
+        rows = meta.paged_rows
+        out[rows] = meta.paged.attend(q[rows], k_cache, v_cache, scale)
     return out
 
 

@@ -59,9 +59,10 @@ class EngineConfig:
     seed: int = 0
     kv_pin_timeout_s: float = 30.0  # pinned prefill blocks are freed if not pulled by then
     # decode attention: "gather" copies each context into a padded batch (any device);
-    # "paged" reads the cache in place through compiled FlexAttention (see attention_flex);
-    # "auto" is paged on CUDA, where bench/engine.py measured it 3 to 5x faster per step,
-    # and gather on CPU, where it was faster and needs no compiler
+    # "paged" reads the cache in place (FlexAttention through Triton on CUDA, the C kernel
+    # of attention_cpu on CPU); "flex" is FlexAttention on any device; "auto" is paged on
+    # CUDA, where bench/engine.py measured it 3 to 5x faster per step, and gather on CPU,
+    # which needs no compiler and was as fast or faster but at the longest contexts
     attention: str = "auto"
 
     def resolved_attention(self, device: torch.device) -> str:

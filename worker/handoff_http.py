@@ -199,7 +199,11 @@ class HandOffEndpoints:
         try:
             try:
                 header = await pull_blocks_into(
-                    url, sink, timeout=self.settings.kv_transfer_timeout_s, headers=auth
+                    url,
+                    sink,
+                    timeout=self.settings.kv_transfer_timeout_s,
+                    deadline_s=self.settings.kv_transfer_deadline_s,
+                    headers=auth,
                 )
                 # What the bytes would take on the wire (a simulated engine's; a real one's
                 # took their time already), waited out here, not in the engine's step.

@@ -118,8 +118,34 @@ class BlockSink(Protocol):
 READ_BYTES = 1 << 20
 
 
+class _Waits:
+    """How long the next wait of a pull may take: ``timeout`` for each (connecting, each
+    read), and never past ``deadline_s`` from the start for the whole pull, so that a peer
+    that sends a few bytes just in time forever cannot hold the request."""
+
+    def __init__(self, timeout: float, deadline_s: float | None) -> None:
+        self.timeout, self.deadline_s = timeout, deadline_s
+        loop = asyncio.get_running_loop()
+        self._time = loop.time
+        self._end = None if deadline_s is None else loop.time() + deadline_s
+
+    def next(self) -> float:
+        if self._end is None:
+            return self.timeout
+        left = self._end - self._time()
+        if left <= 0:
+            raise TimeoutError(self.why())
+        return min(self.timeout, left)
+
+    def why(self) -> str:
+        """What a wait that timed out says."""
+        if self._end is not None and self._time() >= self._end:
+            return f"the whole pull took more than {self.deadline_s:g} s"
+        return f"nothing came for {self.timeout:g} s"
+
+
 async def _get(
-    url: str, headers: dict[str, str] | None, timeout: float
+    url: str, headers: dict[str, str] | None, waits: _Waits
 ) -> tuple[int, int, asyncio.StreamReader, asyncio.StreamWriter]:
     """``GET url`` over a fresh HTTP/1.1 connection: the status, the body's length, and the
     connection, read up to the body (a prefill worker's ``/kv`` always sends a length)."""
@@ -127,7 +153,7 @@ async def _get(
     if parts.scheme != "http" or not parts.hostname:
         raise TransferError(f"cannot pull from {url!r}: not an http:// URL")
     port = parts.port or 80
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(waits.next()):
         reader, writer = await asyncio.open_connection(parts.hostname, port, limit=READ_BYTES)
     try:
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
@@ -138,7 +164,7 @@ async def _get(
                 raise TransferError(f"a header of the pull of {url} holds a line break")
             lines.append(f"{name}: {value}")
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(waits.next()):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
         status_line, *field_lines = head.split("\r\n")
         status = int(status_line.split(" ", 2)[1])
@@ -163,27 +189,30 @@ async def pull_blocks_into(
     sink: BlockSink,
     *,
     timeout: float = 30.0,
+    deadline_s: float | None = None,
     headers: dict[str, str] | None = None,
 ) -> TransferHeader:
     """Stream a transfer into ``sink``, ``CHUNK_BYTES`` of whole blocks at a time (the
     body is never held whole). Raises :class:`TransferError` on any failure, a body cut
     short included (the prefill worker died mid-transfer), once the sink has every run of
-    whole blocks that arrived. ``timeout``: for connecting and for each read. ``headers``: the
-    hand-off's token (in ``Authorization``); never part of an error message."""
+    whole blocks that arrived. ``timeout``: for connecting and for each read;
+    ``deadline_s``: for the whole pull (None: none). ``headers``: the hand-off's token (in
+    ``Authorization``); never part of an error message."""
     buf = bytearray()
     header: TransferHeader | None = None
     first = 0  # the first block still in buf
     error: TransferError | None = None
     writer: asyncio.StreamWriter | None = None
+    waits = _Waits(timeout, deadline_s)
     try:
-        status, length, reader, writer = await _get(url, headers, timeout)
+        status, length, reader, writer = await _get(url, headers, waits)
         if status != 200:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(waits.next()):
                 text = (await reader.read(min(length, 4096))).decode(errors="replace")
             raise TransferError(f"{url} answered {status}: {text[:200]}")
         left = length
         while left:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(waits.next()):
                 piece = await reader.read(min(READ_BYTES, left))
             if not piece:
                 raise ConnectionError(f"the body ended {left} bytes short")
@@ -199,7 +228,9 @@ async def pull_blocks_into(
                 step = max(1, CHUNK_BYTES // max(1, header.block_bytes)) * header.block_bytes
             if header.block_bytes and len(buf) >= step:
                 first, buf = await _write_whole(sink, header, first, buf, url)
-    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+    except TimeoutError:
+        error = TransferError(f"pulling {url} failed: {waits.why()}")
+    except (OSError, asyncio.IncompleteReadError) as exc:
         error = TransferError(f"pulling {url} failed: {exc!r}")
     finally:
         if writer is not None:

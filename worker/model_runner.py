@@ -12,8 +12,7 @@ import logging
 
 import torch
 
-from .attention import AttentionMetadata
-from .attention_flex import FlexDecode
+from .attention import AttentionMetadata, PagedDecode
 from .model import LlamaModel
 from .scheduler import ScheduledBatch
 
@@ -44,8 +43,9 @@ def blocks_for_memory(
     return int(free_memory_bytes(device) * fraction) // kv_block_bytes(model, block_size, dtype)
 
 
-#: the decode attention paths ModelRunner can take
-ATTENTION_PATHS = ("gather", "paged")
+#: the decode attention paths ModelRunner can take: ``paged`` is the device's kernel that
+#: reads the cache in place, ``flex`` is FlexAttention on any device
+ATTENTION_PATHS = ("gather", "paged", "flex")
 
 
 class ModelRunner:
@@ -66,10 +66,20 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         c = model.config
-        self.flex = None
-        if attention == "paged":
+        #: the paged path's kernel: FlexAttention on CUDA, the C kernel on CPU (measured in
+        #: bench/engine.py: inductor's CPU FlexAttention grows far faster than the context)
+        self.paged: PagedDecode | None = None
+        if attention != "gather":
             longest = max_model_len or c.max_position
-            self.flex = FlexDecode(
+            if attention == "flex" or self.device.type == "cuda":
+                from .attention_flex import FlexDecode
+
+                kernel: type[PagedDecode] = FlexDecode
+            else:
+                from .attention_cpu import CpuPagedDecode
+
+                kernel = CpuPagedDecode
+            self.paged = kernel(
                 num_blocks, block_size, max_num_seqs, -(-longest // block_size), self.device
             )
         # zeros, not empty: padded decode rows read slot 0, and NaN * 0 would still be NaN
@@ -113,7 +123,7 @@ class ModelRunner:
             [seq.block_ids for seq in batch.seqs],
             self.block_size,
             self.device,
-            flex=self.flex,
+            paged=self.paged,
         )
         rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)  # before the
         # forward pass is queued: copying it after would make the host wait for the GPU

@@ -38,9 +38,11 @@ class WorkerSettings(BaseModel):
     max_model_len: int | None = Field(None, ge=2)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
-    # decode attention: auto is "paged" (in place, compiled FlexAttention) on CUDA and
-    # "gather" (padded copies, no compiler needed) elsewhere; see kvpool.worker.attention
-    attention: Literal["auto", "gather", "paged"] = "auto"
+    # decode attention: "paged" reads the cache in place (FlexAttention through Triton on
+    # CUDA, a C kernel built on first use on CPU), "gather" copies each context into padded
+    # batches (no compiler needed), "flex" is FlexAttention on any device; auto is paged on
+    # CUDA and gather elsewhere; see kvpool.worker.attention
+    attention: Literal["auto", "gather", "paged", "flex"] = "auto"
     seed: int = 0
     # serving
     max_waiting_tokens: int | None = Field(None, ge=1)  # default: 8 steps' worth of tokens
@@ -54,7 +56,10 @@ class WorkerSettings(BaseModel):
     # prefill/decode hand-off
     kv_pin_timeout_s: float = Field(30.0, gt=0)
     kv_transfer_host: str | None = None  # the address decode workers reach us at
-    kv_transfer_timeout_s: float = Field(30.0, gt=0)
+    kv_transfer_timeout_s: float = Field(30.0, gt=0)  # connecting, and each read of a pull
+    # a whole pull, however its bytes trickle in: past it, the blocks that came whole are
+    # kept and the rest of the prompt is computed here
+    kv_transfer_deadline_s: float = Field(120.0, gt=0)
     # the pool's shared secret (router and workers): signs and checks hand-offs, and keys
     # the admin token and the KV event sockets' password. Unset: no hand-offs, admin from
     # loopback only, KV event sockets open. A file (a mounted Secret) works as well.
