@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index bench-sim-calibration run demo crd dashboards chart clean
+.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -74,6 +74,10 @@ bench-sim-calibration: install
 # a 1M-block worker, decision time; the previous index in the same run.
 bench-index: install
 	$(PY) bench/index.py
+
+# What reading a worker's load costs the router: a scrape of a vLLM-size /metrics page.
+bench-scrape: install
+	$(PY) bench/scrape.py
 
 # The latency the router adds, its highest sustained rate (beside the SGLang router), and
 # its decision time with 64 workers and 1M indexed blocks.

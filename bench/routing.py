@@ -118,7 +118,7 @@ AFFINITY_WORKLOAD = "multi-turn"
 AFFINITY_POLICIES = ("kvpool", "kvpool-no-affinity", "sglang-router")
 #: ``--replicas``: the workloads (at their two highest rates) and what is compared
 REPLICA_WORKLOADS = ("groups", "one-system-prompt")
-REPLICA_POLICIES = ("kvpool", REPLICAS)
+REPLICA_POLICIES = ("kvpool", REPLICAS, "sglang-router")
 GOAL_REPLICAS = 0.10  # two replicas' TTFT p90 and hit ratio within this of one router's
 #: the header kvpool's router reads a conversation's id from (``--session-header``'s default)
 SESSION_HEADER = "x-session-id"
@@ -1017,6 +1017,7 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         meta["replicas"] = replicas
         if earlier:  # the figures the issue names, beside the routing run's own
             earlier["replicas"] = {k: v for k, v in replicas.items() if k != "goals"}
+            earlier["replicas"]["date"] = str(dt.date.today())  # its own run, not this file's
             routing_json.write_text(json.dumps(earlier, indent=2) + "\n")
     elif name == "routing" and "replicas" in earlier:  # kept until the next --replicas run
         results = {**results, "replicas": earlier["replicas"]}

@@ -1,17 +1,99 @@
-"""The router's admin surface: what ``/debug/workers`` and ``/debug/route`` answer, built
-from the routing state (the pool's workers) and a plan, with no I/O of its own."""
+"""The router's admin surface: health, models, metrics and the debug endpoints
+(:class:`AdminEndpoints`, a part of :class:`.server.Router`), and what ``/debug/workers``
+and ``/debug/route`` answer, built from the routing state (the pool's workers) and a plan.
+The admin surface only reads the routing state; the data path (:mod:`.forward`) claims
+load, and the feed (:mod:`.feed`) writes the index."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .request import Kind, parse_body
+
 if TYPE_CHECKING:
+    from .admission import Gate
     from .forward import Routed
+    from .index import BlockIndex
+    from .metrics import RouterMetrics
+    from .peers import PeerLink
     from .policy import Plan
     from .pool import WorkerPool
+    from .processes import ProcessSlot
 
-__all__ = ["route_answer", "worker_rows"]
+__all__ = ["AdminEndpoints", "route_answer", "worker_rows"]
+
+
+class AdminEndpoints:
+    """The router's endpoints that serve people and probes, not prompts. Mixed into
+    :class:`.server.Router`, whose state and parsing they read."""
+
+    draining: bool
+    slot: ProcessSlot
+    index: BlockIndex
+    peers: PeerLink | None
+
+    if TYPE_CHECKING:
+
+        def _pool(self) -> WorkerPool: ...
+        def _gate(self) -> Gate: ...
+        def _metrics(self) -> RouterMetrics: ...
+        async def _body(self, request: Request) -> bytes: ...
+        async def _parse(
+            self, request: Request, body: bytes, kind: Kind, *, check_model: bool
+        ) -> Routed: ...
+        def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan: ...
+
+    async def health(self, request: Request) -> JSONResponse:
+        if self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        up = len(self._pool().routable())
+        body = {
+            "status": "ok" if up else "no_workers",
+            "workers_up": up,
+            "process": self.slot.index,
+            "requests": self._gate().admitted,  # this process's, since it started
+        }
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        """Every model and LoRA adapter some worker in rotation lists, as it lists them."""
+        self._gate().tenant_of(request.headers)  # /v1/* takes a key, as OpenAI's and vLLM's
+        return JSONResponse({"object": "list", "data": self._pool().model_cards()})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self._metrics().render(), media_type="text/plain; version=0.0.4")
+
+    async def debug_workers(self, request: Request) -> JSONResponse:
+        self._gate().require_admin(request.headers)
+        return JSONResponse({"workers": worker_rows(self._pool(), time.monotonic())})
+
+    async def debug_peers(self, request: Request) -> JSONResponse:
+        """The other router replicas: what each was last heard to have on each worker."""
+        self._gate().require_admin(request.headers)
+        return JSONResponse(self.peers.summary() if self.peers is not None else {"peers": []})
+
+    async def debug_index(self, request: Request) -> JSONResponse:
+        self._gate().require_admin(request.headers)
+        return JSONResponse(self.index.summary())
+
+    async def debug_route(self, request: Request) -> JSONResponse:
+        """A dry run: what the policy would do with this body (a completion, a chat or a
+        Responses request), every worker's line included. Nothing is claimed or sent."""
+        self._gate().require_admin(request.headers)
+        body = await self._body(request)
+        obj = parse_body(body)
+        kind: Kind = (
+            "chat" if "messages" in obj else "responses" if "input" in obj else "completion"
+        )
+        routed = await self._parse(request, body, kind, check_model=False)
+        answer = route_answer(routed, self._plan(routed, dry_run=True))
+        answer["process"] = self.slot.index  # which of --processes N answered
+        return JSONResponse(answer)
 
 
 def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:

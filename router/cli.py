@@ -24,7 +24,7 @@ from .settings import ENV_PREFIX, RouterSettings
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .serving import serve
 
     settings = build_settings(RouterSettings, settings_values(args, RouterSettings, ENV_PREFIX))
     return serve(settings, log_level="debug" if args.verbose else "info")

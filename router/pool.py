@@ -521,24 +521,29 @@ class WorkerPool:
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.scrape_interval_s)
-            if state.status != "up":
-                continue
-            try:
-                status, body = await self._get(state.url + "/metrics")
-                _raise_for_status("/metrics", status)
-                # A quarter of a millisecond for a vLLM-size page: no thread hop needed.
-                values = parse_load(body.decode(errors="replace"))
-            except Exception as exc:  # no load reading this time; it goes stale, then unknown
-                log.debug("worker %s: /metrics: %s", state.id, exc)
-                continue
-            state.kv_usage = values.get("vllm:kv_cache_usage_perc")
-            state.waiting = values.get("vllm:num_requests_waiting")
-            state.running = values.get("vllm:num_requests_running")
-            queueing = state.waiting and state.running and state.waiting >= 1
-            if queueing and not state.batch_announced:
-                state.batch_capacity = max(state.batch_capacity or 0, int(state.running or 0))
-            state.scraped_at = time.monotonic()
-            state.learn_itl(values.get(ITL_SUM), values.get(ITL_COUNT))
+            if state.status == "up":
+                await self.scrape(state)
+
+    async def scrape(self, state: WorkerState) -> bool:
+        """One reading of a worker's load from its ``/metrics``: whether it came. A
+        vLLM-size page costs the router ~0.4 ms of CPU a scrape, fetch included
+        (``bench/scrape.py``): no thread hop needed."""
+        try:
+            status, body = await self._get(state.url + "/metrics")
+            _raise_for_status("/metrics", status)
+            values = parse_load(body.decode(errors="replace"))
+        except Exception as exc:  # no load reading this time; it goes stale, then unknown
+            log.debug("worker %s: /metrics: %s", state.id, exc)
+            return False
+        state.kv_usage = values.get("vllm:kv_cache_usage_perc")
+        state.waiting = values.get("vllm:num_requests_waiting")
+        state.running = values.get("vllm:num_requests_running")
+        queueing = state.waiting and state.running and state.waiting >= 1
+        if queueing and not state.batch_announced:
+            state.batch_capacity = max(state.batch_capacity or 0, int(state.running or 0))
+        state.scraped_at = time.monotonic()
+        state.learn_itl(values.get(ITL_SUM), values.get(ITL_COUNT))
+        return True
 
     # -- the other router replicas ----------------------------------------------------------
 

@@ -155,7 +155,8 @@ def _run(settings: RouterSettings, slot: ProcessSlot, log_level: str, sock: sock
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which passes it on once
     from kvpool.cli import configure_logging
 
-    from .server import Router, uvicorn_server
+    from .server import Router
+    from .serving import uvicorn_server
 
     configure_logging(log_level == "debug")
 

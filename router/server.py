@@ -7,7 +7,8 @@ worker's load, and proxy.
 
 How a request reaches a worker, is tried on others when it fails before its first token,
 and is split into prefill and decode legs, is :mod:`.forward`'s. This module is the gateway
-(parsing, admission, planning) and the admin surface (health, metrics, debug endpoints).
+(parsing, admission, planning); the admin surface (health, metrics, debug endpoints) is
+:mod:`.admin`'s, and running it under uvicorn :mod:`.serving`'s.
 """
 
 from __future__ import annotations
@@ -24,21 +25,20 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
-from kvpool.httpguard import BodyError, HttpLimits, read_body, server_config
+from kvpool.httpguard import BodyError, read_body
 from kvpool.openai_api import OpenAIError, exception_handlers
 from kvpool.tokenization import (
     PrefixTokenCache,
     load_tokenizer,
 )
 
-from .admin import route_answer, worker_rows
+from .admin import AdminEndpoints
 from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
@@ -48,7 +48,7 @@ from .metrics import RouterMetrics
 from .openapi import openapi_schema
 from .policy import Decision, Plan, Planner, RouteRequest, saturation
 from .pool import WorkerPool
-from .processes import ProcessSlot, supervise
+from .processes import ProcessSlot
 from .relay import (
     RelayResponse,
     until_client_leaves,
@@ -76,7 +76,7 @@ WORKER_PATHS: dict[Kind, str] = {kind: path for path, kind in GENERATE_PATHS.ite
 PASSTHROUGH_PATHS = ("/v1/embeddings", "/tokenize", "/detokenize")
 
 
-class Router:
+class Router(AdminEndpoints):
     def __init__(self, settings: RouterSettings, slot: ProcessSlot | None = None) -> None:
         self.settings = s = settings
         self.slot = slot or ProcessSlot()  # its place among the processes on its port
@@ -355,55 +355,6 @@ class Router:
 
         endpoint.__name__ = f"{kind}_endpoint"
         return endpoint
-
-    # -- small endpoints ------------------------------------------------------------------
-
-    async def health(self, request: Request) -> JSONResponse:
-        if self.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        up = len(self._pool().routable())
-        body = {
-            "status": "ok" if up else "no_workers",
-            "workers_up": up,
-            "process": self.slot.index,
-            "requests": self._gate().admitted,  # this process's, since it started
-        }
-        return JSONResponse(body, status_code=200 if up else 503)
-
-    async def models(self, request: Request) -> JSONResponse:
-        """Every model and LoRA adapter some worker in rotation lists, as it lists them."""
-        self._gate().tenant_of(request.headers)  # /v1/* takes a key, as OpenAI's and vLLM's
-        return JSONResponse({"object": "list", "data": self._pool().model_cards()})
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(self._metrics().render(), media_type="text/plain; version=0.0.4")
-
-    async def debug_workers(self, request: Request) -> JSONResponse:
-        self._gate().require_admin(request.headers)
-        return JSONResponse({"workers": worker_rows(self._pool(), time.monotonic())})
-
-    async def debug_peers(self, request: Request) -> JSONResponse:
-        """The other router replicas: what each was last heard to have on each worker."""
-        self._gate().require_admin(request.headers)
-        return JSONResponse(self.peers.summary() if self.peers is not None else {"peers": []})
-
-    async def debug_index(self, request: Request) -> JSONResponse:
-        self._gate().require_admin(request.headers)
-        return JSONResponse(self.index.summary())
-
-    async def debug_route(self, request: Request) -> JSONResponse:
-        """A dry run: what the policy would do with this body (a completion, a chat or a
-        Responses request), every worker's line included. Nothing is claimed or sent."""
-        self._gate().require_admin(request.headers)
-        body = await self._body(request)
-        obj = parse_body(body)
-        kind: Kind = (
-            "chat" if "messages" in obj else "responses" if "input" in obj else "completion"
-        )
-        routed = await self._parse(request, body, kind, check_model=False)
-        answer = route_answer(routed, self._plan(routed, dry_run=True))
-        answer["process"] = self.slot.index  # which of --processes N answered
-        return JSONResponse(answer)
 
     async def passthrough(self, request: Request) -> Response:
         """``/v1/embeddings``, ``/tokenize``, ``/detokenize``: to the least busy healthy
@@ -765,59 +716,3 @@ def _draining() -> OpenAIError:
     return OpenAIError(
         503, "the router is shutting down", type="service_unavailable", code="draining"
     )
-
-
-# -- running it ----------------------------------------------------------------------------
-
-
-class _Uvicorn(uvicorn.Server):
-    """The first signal closes the listening socket (new connections are refused), answers
-    503 to requests on connections still open, and lets the streams in flight finish, up to
-    ``drain_timeout_s`` (uvicorn's graceful shutdown); a second Ctrl-C stops at once."""
-
-    def __init__(self, config: uvicorn.Config, router: Router) -> None:
-        super().__init__(config)
-        self.router = router
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.router.draining:
-            log.info("signal %s: draining %d requests", sig, self.router.active)
-        elif not self.force_exit:  # a second signal, SIGTERM too (uvicorn: SIGINT only)
-            log.info("signal %s: stopping at once", sig)
-            self.force_exit = True
-        self.router.draining = True
-        super().handle_exit(sig, frame)
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets)
-        for server in self.servers:
-            for sock in server.sockets:
-                self.router.bound_port = sock.getsockname()[1]
-
-
-def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
-    s = router.settings
-    config = server_config(
-        router.asgi,
-        host=s.host,
-        port=s.port,
-        # what one client may hold: its connections, its headers' time and size
-        limits=HttpLimits(
-            header_timeout_s=s.header_timeout_s,
-            max_header_bytes=s.max_header_bytes,
-            max_connections_per_client=s.max_connections_per_client,
-        ),
-        drain_timeout_s=s.drain_timeout_s,
-        log_level=log_level,
-        interface="asgi3",
-    )
-    return _Uvicorn(config, router)
-
-
-def serve(settings: RouterSettings, log_level: str = "info") -> int:
-    """Run the router until SIGTERM/SIGINT, then drain; returns the exit code. With
-    ``processes`` > 1, that many processes share the port (:mod:`.processes`)."""
-    if settings.processes > 1:
-        return supervise(settings, log_level)
-    uvicorn_server(Router(settings), log_level=log_level).run()
-    return 0

@@ -556,7 +556,8 @@ PROCESS_IN_FLIGHT = "kvpool_router_worker_in_flight_requests"
 def start_router(llama_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
     """Start routers (settings as keywords; ``worker`` a list of specs). ``processes`` > 1
     starts ``kvpool router serve --processes N`` as a process of its own."""
-    from kvpool.router.server import Router, uvicorn_server
+    from kvpool.router.server import Router
+    from kvpool.router.serving import uvicorn_server
     from kvpool.router.settings import RouterSettings
 
     running: list[RunningRouter] = []

@@ -5,9 +5,11 @@ come back whole. Each worker is a real HTTP server on loopback; events go over r
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -447,38 +449,15 @@ def test_parse_load_reads_the_itl_histogram_beside_the_gauges() -> None:
     assert load["vllm:num_requests_waiting"] == 3
 
 
-def vllm_metrics_page(engines: int = 2, families: int = 40) -> str:
-    """A /metrics page the size of vLLM's: many histogram families of many buckets per
-    engine, the load series among them, lookalike names and comments that name them."""
-    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-
-    registry = CollectorRegistry()
-    labels = ["engine", "model_name"]
-    buckets = [0.001 * 2**i for i in range(30)]
-    for f in range(families):
-        h = Histogram(
-            f"vllm:family_{f}_seconds", "a histogram", labels, registry=registry, buckets=buckets
-        )
-        for e in range(engines):
-            h.labels(str(e), "m").observe(0.01 * (f + 1))
-    itl = Histogram(ITL_NAME, "itl", labels, registry=registry, buckets=buckets)
-    gauges = {
-        name: Gauge(name, f"{name} (not vllm:num_requests_waiting 99)", labels, registry=registry)
-        for name in (
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-            "vllm:kv_cache_usage_perc",
-            "vllm:num_requests_waiting_by_reason",
-        )
-    }
-    for e in range(engines):
-        gauges["vllm:num_requests_running"].labels(str(e), "m").set(3 + e)
-        gauges["vllm:num_requests_waiting"].labels(str(e), "m").set(2)
-        gauges["vllm:kv_cache_usage_perc"].labels(str(e), "m").set(0.25 * (e + 1))
-        gauges["vllm:num_requests_waiting_by_reason"].labels(str(e), "m").set(1000)
-        for _ in range(10):
-            itl.labels(str(e), "m").observe(0.02)
-    return generate_latest(registry).decode()
+def vllm_metrics_page() -> str:
+    """bench/scrape.py's vLLM-size page (one builder for the benchmark and this test)."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_scrape", Path(__file__).parent.parent / "bench" / "scrape.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.vllm_metrics_page()
 
 
 ITL_NAME = "vllm:inter_token_latency_seconds"
