@@ -179,9 +179,8 @@ class CpuPagedDecode:
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """``q`` ``[rows, heads, head_dim]`` (one new token per row) against the cache of one
-        layer ``[num_blocks, block_size, kv_heads, head_dim]``; returns ``[rows, heads,
-        head_dim]``."""
+        """:meth:`.attention.PagedDecode.attend`: the planned rows' new tokens against one
+        layer's cache, ``[rows, heads, head_dim]`` out."""
         rows, heads, dim = q.shape
         if q.device.type != "cpu" or k_cache.device.type != "cpu":
             raise ValueError("the CPU paged-attention kernel reads tensors in CPU memory")

@@ -128,9 +128,8 @@ class FlexDecode:
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """``q`` ``[rows, heads, head_dim]`` (one new token per row) against the cache of one
-        layer ``[num_blocks, block_size, kv_heads, head_dim]``; returns ``[rows, heads,
-        head_dim]``."""
+        """:meth:`.attention.PagedDecode.attend`: the planned rows' new tokens against one
+        layer's cache, ``[rows, heads, head_dim]`` out."""
         rows, heads, head_dim = q.shape
         kv_heads = k_cache.shape[-2]
         qp = q.new_zeros(self.padded, heads, 1, head_dim)
