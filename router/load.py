@@ -143,7 +143,9 @@ class WorkerLoad:
         queue has grown."""
         ticket = Ticket(
             tokens=tokens,
-            queued_ahead=self.queued_tokens(now),
+            # everything ahead of it there, the other replicas' too: its TTFT waits for
+            # all of it, and the prefill model is learned and asked on the same figure
+            queued_ahead=self.queued_tokens(now) + self.peer_queued,
             routed_at=now,
             # A non-streamed answer shows no first token: its tokens leave the queue when
             # they should have been prefilled (twice the prediction, at least 2 s).

@@ -520,6 +520,25 @@ def test_whole_answers_teach_the_prefill_model_their_ttft_less_their_decode() ->
     assert state.queued == {} and state.in_flight == 0
 
 
+def test_a_replica_learns_prefill_from_the_whole_queue_ahead_the_others_included() -> None:
+    """Two replicas send to one worker. A request's TTFT waits for every prompt token queued
+    there, the other replica's too; the prefill model is asked with both (the worker's
+    view), so it must be learned with both, or the other replica's backlog reads as a slow
+    worker."""
+    rate, overhead = 10_000.0, 0.05
+    state = WorkerState(endpoint=WorkerEndpoint(id="w", url="http://w"))
+    now = 0.0
+    for i in range(40):
+        state.peer_queued = 2000 * (i % 4)  # the other replica's prompts, not yet prefilled
+        tokens = 500 + 300 * (i % 5)
+        ticket = state.begin(tokens, 0.1, now, shows_first_token=True)
+        state.first_token(ticket, now + overhead + (state.peer_queued + tokens) / rate)
+        state.end(ticket)
+        now += 10.0
+    assert state.prefill.rate == pytest.approx(rate, rel=0.05)
+    assert state.prefill.overhead == pytest.approx(overhead, abs=0.01)
+
+
 def test_a_stream_counts_as_queued_until_its_first_token_however_long_the_wait() -> None:
     """A worker 20 s behind still has every stream's prompt ahead of the next request:
     were a stream's tokens forgotten after a fixed time, the router would think the queue
