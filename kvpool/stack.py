@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -66,9 +67,22 @@ def _bindable(port: int) -> bool:
         return True
 
 
+#: where :func:`free_port_range` looks first: below Linux's ephemeral range (32768 and up),
+#: which every outgoing connection on the machine draws from. A range found free there
+#: can be taken by another process's connection before the fleet binds it; below, only
+#: an explicit bind can.
+RANGE_PORTS = (20000, 32768)
+
+
 def free_port_range(count: int, tries: int = 100) -> int:
     """The first of ``count`` consecutive free ports (for ``sim-fleet``'s base ports)."""
+    rng = random.Random()
+    low, high = RANGE_PORTS
     for _ in range(tries):
+        base = rng.randrange(low, high - count)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    for _ in range(tries):  # that stretch is taken: anywhere the kernel hands out
         base = free_port()
         if base + count < 65536 and all(_bindable(base + i) for i in range(count)):
             return base
