@@ -99,6 +99,14 @@ def serve(port: int, page_file: str) -> None:
     asyncio.run(main())
 
 
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.1):
+            return True
+    except OSError:
+        return False
+
+
 def timed(fn: Any, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -146,7 +154,7 @@ def main() -> int:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvpool.router.pool import parse_load
-    from kvpool.stack import free_port
+    from kvpool.stack import free_port, wait_until
 
     page = vllm_metrics_page()
     parse = timed(lambda: parse_load(page), 500)
@@ -157,12 +165,7 @@ def main() -> int:
         port = free_port()
         server = subprocess.Popen([sys.executable, ME, "--serve", str(port), f.name], env=ENV)
         try:
-            for _ in range(100):
-                try:
-                    with socket.create_connection(("127.0.0.1", port), 0.1):
-                        break
-                except OSError:
-                    time.sleep(0.05)
+            wait_until(lambda: _listening(port), server, "the /metrics server", timeout=30)
             scrape = asyncio.run(scrapes(f"http://127.0.0.1:{port}", args.scrapes))
         finally:
             server.kill()

@@ -238,8 +238,11 @@ FILTERS: dict[str, Filter] = {
 Scorer = Callable[[RouteRequest, list[WorkerView]], dict[str, float]]
 
 
-def predicted_ttft(req: RouteRequest, w: WorkerView) -> float:
-    return w.prefill.predict(w.queued_tokens + req.num_tokens - req.cached_tokens(w))
+def predicted_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) -> float:
+    """``cached``: the request's cached tokens there, when the caller has them already."""
+    if cached is None:
+        cached = req.cached_tokens(w)
+    return w.prefill.predict(w.queued_tokens + req.num_tokens - cached)
 
 
 def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
@@ -361,10 +364,9 @@ class Policy:
         """The choice and its explanation. ``dry_run``: the round-robin position stays."""
         rows = {}
         ttft = req._ttft = {}
-        num_tokens = req.num_tokens
         for w in workers:  # every worker, every decision: positional, each figure once
             cached = req.cached_tokens(w)
-            predicted = ttft[w.id] = w.prefill.predict(w.queued_tokens + num_tokens - cached)
+            predicted = ttft[w.id] = predicted_ttft(req, w, cached)
             rows[w.id] = Candidate(
                 w.id,
                 None,

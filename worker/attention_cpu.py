@@ -137,8 +137,8 @@ _ERRORS = {
 
 
 class CpuPagedDecode:
-    """One engine's CPU decode kernel: persistent metadata buffers and the C call (the
-    interface of :class:`.attention_flex.FlexDecode`)."""
+    """One engine's CPU decode kernel: persistent metadata buffers and the C call (a
+    :class:`.attention.PagedDecode`)."""
 
     def __init__(
         self, num_blocks: int, block_size: int, max_rows: int, max_blocks_per_seq: int, device
