@@ -54,7 +54,7 @@ from .render import (
     render,
     router_endpoint,
 )
-from .scaling import autoscale_step, start_decision_counters
+from .scaling import autoscale_step, cache_step, start_decision_counters
 from .status import Observed, build_status
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class PoolRuntime:
     autoscaler_status: dict[str, Any] | None = None
     slo: tuple[str, str, str] | None = None
     autoscaling: tuple[str, str, str] | None = None
+    cache: tuple[str, str, str] | None = None  # CacheAgreement, from the routers' metrics
     scaler: Any = None  # the autoscaler's state and metrics window (see autoscale_step)
     # For /metrics, by the workers' role label. The metrics thread reads them while the
     # handlers write: each is replaced whole, never changed in place.
@@ -421,6 +422,7 @@ def _sync_once(
         autoscaler=rt.autoscaler_status if spec is not None else previous.get("autoscaler"),
         slo=rt.slo,
         autoscaling=rt.autoscaling,
+        cache=rt.cache,
     )
     status = build_status(spec, observed, previous, now(), endpoint)
     patch = status_patch(previous, status)
@@ -658,6 +660,7 @@ def tick(namespace: str, name: str) -> float:
         elif spec is not None:
             rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
             rt.recommended, rt.latency = {}, {}
+            cache_step(cluster(), namespace, name, rt, settings.scrape_timeout_s)
         sync(namespace, name)  # reads the pool again: the scrape may have taken seconds
     except Exception:  # the next round tries again; the pool keeps serving
         log.exception("InferencePool %s/%s: periodic round failed", namespace, name)

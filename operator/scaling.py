@@ -44,7 +44,7 @@ from .autoscaler import (
     decide,
 )
 from .render import COMPONENT_LABEL, GROUP_LABEL
-from .signals import MetricsWindow, Signals, build_signals
+from .signals import MetricsWindow, Signals, build_signals, parse
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,51 @@ def scrape(
         else:
             workers.setdefault(group, []).append((name, text))
     return router, workers
+
+
+#: the router's verdict on each worker's cache (router/agreement.py)
+ROUTER_CACHE_FLAGGED = "kvpool_router_worker_cache_flagged"
+
+
+def cache_condition(router: list[tuple[str, str | None]]) -> tuple[str, str, str]:
+    """CacheAgreement from the routers' /metrics: False while a router finds a worker whose
+    reported cached tokens disagree with its predictions (another hash seed, block size,
+    model or template: that worker gets no cache credit), naming each and why."""
+    flagged: dict[str, set[str]] = {}
+    seen = False
+    for _, text in router:
+        exposition = parse(text)
+        if exposition is None:
+            continue
+        for labels, value in exposition.values(ROUTER_CACHE_FLAGGED):
+            seen = True
+            if value >= 1:
+                flagged.setdefault(labels.get("worker", "?"), set()).add(labels.get("cause", ""))
+    if not seen:
+        return ("Unknown", "NoMetrics", "no router has judged a worker's cache yet")
+    if not flagged:
+        return ("True", "Agree", "every worker's cached tokens agree with the router's index")
+    parts = [f"{w} ({', '.join(sorted(c for c in causes if c)) or '?'})" for w, causes in
+             sorted(flagged.items())]  # fmt: skip
+    return (
+        "False",
+        "Disagree",
+        f"{len(flagged)} worker(s) get no cache credit, their caches disagree with the "
+        f"router's predictions: {'; '.join(parts)}. unseen: check the hash seed "
+        "(PYTHONHASHSEED) and block size; over-predicted: prefix caching, model, chat "
+        "template (kubectl logs the router)",
+    )
+
+
+def cache_step(cluster: Any, namespace: str, name: str, rt: Any, timeout: float = 2.0) -> None:
+    """Only the routers' scrape, for CacheAgreement, where no autoscaling or SLO scrapes."""
+    pods = [
+        p
+        for p in cluster.pods(namespace, name)
+        if ((p.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL) == "router"
+    ]
+    router, _ = scrape(pods, timeout)
+    rt.cache = cache_condition(router)
 
 
 def slo_condition(spec: InferencePoolSpec, signals: Signals) -> tuple[str, str, str]:
@@ -357,6 +402,7 @@ def autoscale_step(
         ttft_quantile=quantile, itl_quantile=quantile,
     )  # fmt: skip
     rt.slo = slo_condition(spec, signals)
+    rt.cache = cache_condition(router)
     rt.latency = {
         metric: value
         for metric, value in (("ttft", signals.ttft_s), ("itl", signals.itl_s))

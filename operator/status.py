@@ -29,6 +29,7 @@ class Observed:
     autoscaler: dict[str, Any] | None = None  # status.autoscaler as recorded by the daemon
     slo: tuple[str, str, str] | None = None  # (status, reason, message) of SLOMet
     autoscaling: tuple[str, str, str] | None = None  # the same, for AutoscalingActive
+    cache: tuple[str, str, str] | None = None  # the same, for CacheAgreement
 
 
 def role_status(dep: Manifest | None) -> dict[str, Any]:
@@ -159,6 +160,10 @@ def build_status(
         degraded,
         cond("AutoscalingActive", *autoscaling),
         cond("SLOMet", *slo),
+        cond(
+            "CacheAgreement",
+            *(observed.cache or ("Unknown", "NoMetrics", "the routers not scraped yet")),
+        ),
     ]
     if degraded["status"] == "True":
         status["phase"] = "Degraded"

@@ -112,6 +112,8 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
                 "models": sorted(s.models),
                 "compatible": s.compatible,
                 "mismatch": s.mismatch,
+                "cache_credit": s.credited,
+                "cache_check": s.agreement.summary() if s.agreement is not None else None,
                 "in_flight": s.in_flight,
                 "queued_prefill_tokens": s.queued_tokens(now),
                 "peers_in_flight": s.peer_in_flight,

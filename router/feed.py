@@ -213,6 +213,16 @@ class IndexFeed:
             return 0
         return sum(self.index.num_blocks(iid) for iid in self._index_ids(state))
 
+    def confirmations(self, state: WorkerState) -> tuple[int, int]:
+        """(stored, confirmed) over the worker's ranks: see :meth:`BlockIndex.confirmations`."""
+        stored = confirmed = 0
+        for index_id in self._index_ids(state):
+            if index_id in self.index:
+                s, c = self.index.confirmations(index_id)
+                stored += s
+                confirmed += c
+        return stored, confirmed
+
     def ranks(self, worker_id: str) -> list[int]:
         """The data-parallel ranks indexed for the worker (0 stands for its plain id)."""
         state = self.workers.get(worker_id)

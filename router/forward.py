@@ -236,7 +236,7 @@ class Forwarder:
                     limit,
                     attempt,
                     headers=headers,
-                    count_usage=leg is None,
+                    predicted=decision.matched_tokens if leg is None else None,
                 )
             except asyncio.CancelledError:
                 failure = attempt.failure()
@@ -340,7 +340,7 @@ class Forwarder:
             metrics.prefill_leg.observe(time.monotonic() - now)
             usage = answer.get("usage")
             if isinstance(usage, dict):  # the prefill worker's cache is the one that counts
-                self._observe_usage(usage)
+                self._observe_usage(usage, state, decision.matched_tokens)
             params = answer["kv_transfer_params"]
             full = routed.num_tokens // self.settings.block_size * self.settings.block_size
             return DecodeLeg(
@@ -478,12 +478,13 @@ class Forwarder:
         attempt: Attempt,
         *,
         headers: dict[str, str] | None = None,
-        count_usage: bool = True,
+        predicted: int | None = 0,
     ) -> Response:
         """The client's answer from this worker's response, once it is sure to be one: a
         stream's first output, or the whole body. :class:`Failed` before that.
-        ``count_usage=False``: a decode leg, whose cached prompt tokens are the blocks it
-        pulled, not a cache hit (the prefill leg's usage was counted instead)."""
+        ``predicted``: the cached prompt tokens the index said the worker holds, checked
+        against its usage; None for a decode leg, whose cached prompt tokens are the blocks
+        it pulled, not a cache hit (the prefill leg's usage was counted instead)."""
         headers = {
             **{k: v for k in PASSED_HEADERS if (v := resp.headers.get(k)) is not None},
             **(headers or {}),
@@ -502,7 +503,7 @@ class Forwarder:
                 SSEWatch(routed.strip_usage),
                 self.metrics,
                 self.settings.stream_idle_timeout_s,
-                on_close=lambda relay: self._relay_closed(relay, routed, count_usage),
+                on_close=lambda relay: self._relay_closed(relay, routed, predicted),
             )
             try:
                 await relay.first_output(deadline)
@@ -552,11 +553,11 @@ class Forwarder:
         if ok:
             state.breaker.on_success()
             metrics.e2e.observe(now - arrival)
-            if count_usage and usage:
-                self._observe_usage(usage)
+            if predicted is not None and usage:
+                self._observe_usage(usage, state, predicted)
         return Response(content, status_code=resp.status, headers=headers)
 
-    def _relay_closed(self, relay: Relay, routed: Routed, count_usage: bool) -> None:
+    def _relay_closed(self, relay: Relay, routed: Routed, predicted: int | None) -> None:
         """A relayed stream ended: settle its admission, count its usage, and remember where
         its stored response is."""
         admitted = routed.admitted
@@ -565,14 +566,15 @@ class Forwarder:
             if relay.outcome != "success":
                 admitted.error = relay.outcome
             self.gate.finish(admitted)
-        if count_usage and relay.events.usage is not None:
-            self._observe_usage(relay.events.usage)
+        if predicted is not None and relay.events.usage is not None:
+            self._observe_usage(relay.events.usage, relay.state, predicted)
         if relay.events.response_id is not None:
             self.pin("response", relay.events.response_id, relay.state.id)
 
-    def _observe_usage(self, usage: dict[str, Any]) -> None:
+    def _observe_usage(self, usage: dict[str, Any], state: WorkerState, predicted: int) -> None:
         """Counts an answer's prompt tokens and the cached ones (chat and completions
-        name them ``prompt_tokens``, the Responses API ``input_tokens``)."""
+        name them ``prompt_tokens``, the Responses API ``input_tokens``), and checks the
+        cached ones against the ``predicted`` (:mod:`.agreement`)."""
         metrics = self.metrics
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
@@ -582,6 +584,8 @@ class Forwarder:
             # A worker that does not report cached tokens (vLLM without
             # --enable-prompt-tokens-details) served none from cache as far as we know.
             metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            self.pool.check_cache(state, predicted, cached)
 
 
 def prefill_body(request: dict[str, Any]) -> bytes:

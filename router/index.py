@@ -79,8 +79,25 @@ def _on_gpu(medium: str | None) -> bool:
     return medium is None or medium.upper() == "GPU"
 
 
+#: speculative keys a tracked worker remembers after they expire unconfirmed (see _Worker)
+_LATE_KEYS = 1024
+
+
 class _Worker:
-    __slots__ = ("bit", "capacity", "count", "id", "log", "queued", "spec", "tracked", "ttl")
+    __slots__ = (
+        "bit",
+        "capacity",
+        "confirmed",
+        "count",
+        "id",
+        "late",
+        "log",
+        "queued",
+        "spec",
+        "speculated",
+        "tracked",
+        "ttl",
+    )
 
     def __init__(
         self, worker_id: str, bit: int, tracked: bool, ttl: float, capacity: int | None
@@ -91,6 +108,13 @@ class _Worker:
         self.ttl = ttl
         self.capacity = capacity  # None: speculative entries bounded by their TTL alone
         self.count = 0  # confirmed blocks held (the log also has dead and repeated keys)
+        # blocks speculated here since it was added, and how many of them its events then
+        # stored (confirmed): with equal hashing, nearly all; with another hash seed, none.
+        # ``late``: the last speculative keys that expired unconfirmed (a long queue), so a
+        # store that comes after its guess ran out still counts as confirming it
+        self.speculated = 0
+        self.confirmed = 0
+        self.late: dict[int, None] = {}
         self.log = array("Q")
         self.queued = False  # waiting for, or under, compaction
         self.spec: OrderedDict[int, float] = OrderedDict()
@@ -240,7 +264,8 @@ class BlockIndex:
         else:
             bit, spec, shards, append = w.bit, w.spec, self._shards, w.log.append
             n = _SHARDS
-            added = 0
+            added = confirmed = 0
+            late = w.late
             h = None
             try:
                 for h in hashes:
@@ -249,12 +274,19 @@ class BlockIndex:
                     if m is None:
                         append(h)  # first: a key that is no unsigned 64-bit int changes nothing
                         table[h] = bit
+                        if late and h in late:
+                            confirmed += 1
+                            del late[h]
                     elif not m & bit:
                         append(h)
                         table[h] = m | bit
+                        if late and h in late:
+                            confirmed += 1
+                            del late[h]
                     elif spec and h in spec:  # a guess until now: the bit stays, confirmed
                         append(h)
                         del spec[h]
+                        confirmed += 1
                     else:
                         continue
                     added += 1
@@ -262,6 +294,7 @@ class BlockIndex:
                 raise ValueError(f"block key {h!r} is not an unsigned 64-bit integer") from None
             finally:
                 w.count += added
+                w.confirmed += confirmed
                 self._entries += added
         if added:
             if not w.queued and len(w.log) > 2 * w.count + self._compact_slack:
@@ -344,6 +377,7 @@ class BlockIndex:
                 continue  # confirmed
             added.append(h)
             spec[h] = expiry
+        w.speculated += len(added)
         if w.capacity is not None:
             while len(spec) > w.capacity:
                 self._unset_bit(spec.popitem(last=False)[0], bit)
@@ -433,6 +467,13 @@ class BlockIndex:
     def num_blocks(self, worker_id: str) -> int:
         """Confirmed blocks the worker holds."""
         return self._get(worker_id).count
+
+    def confirmations(self, worker_id: str) -> tuple[int, int]:
+        """(speculated, confirmed): blocks speculated on the worker since it was added (the
+        router sent it their prompt), and those of them its events then stored. A worker
+        that hashes as the router does confirms nearly all; one that does not, none."""
+        w = self._get(worker_id)
+        return w.speculated, w.confirmed
 
     def num_speculative(self, worker_id: str) -> int:
         """Unexpired speculative blocks of the worker (never counting a confirmed one)."""
@@ -588,6 +629,7 @@ class BlockIndex:
                         append(h)
                         table[h] = canon.get(m | (new ^ bit), m | (new ^ bit))
                     del spec[h]
+                    w.confirmed += 1
                 elif m & mark:
                     table[h] = canon.get(m | bit, m | bit)
                 else:
@@ -682,4 +724,9 @@ class BlockIndex:
                     break
                 del spec[h]
                 self._unset_bit(h, w.bit)
+                if w.tracked:
+                    late = w.late
+                    late[h] = None
+                    if len(late) > _LATE_KEYS:
+                        del late[next(iter(late))]
         self._next_expiry = next_expiry

@@ -152,6 +152,7 @@ def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
         events["gaps"][s.id] = stats.gaps if stats else 0
         events["resyncs"][s.id] = stats.resyncs if stats else 0
         events["mismatches"][s.id] = s.mismatches
+        events["cache_flags"][s.id] = s.cache_flags
     return Rows(
         in_flight={s.id: s.in_flight for s in workers},
         queued={s.id: s.queued_tokens(now) for s in workers},
@@ -162,7 +163,7 @@ def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
 
 
 #: the per-worker counters every process keeps of the same event stream
-EVENT_FAMILIES = ("events", "gaps", "resyncs", "mismatches")
+EVENT_FAMILIES = ("events", "gaps", "resyncs", "mismatches", "cache_flags")
 
 
 def _added(rows: Rows, others: list[Rows]) -> Rows:
@@ -251,6 +252,25 @@ class _PoolCollector(Collector):
                 "the router's.",
                 labels=["worker"],
             ),
+            "cache_flags": CounterMetricFamily(
+                "kvpool_router_worker_cache_flags",
+                "Times the worker's reported cached tokens were found to disagree with the "
+                "router's predictions (it lost cache credit).",
+                labels=["worker"],
+            ),
+            "cache_flagged": GaugeMetricFamily(
+                "kvpool_router_worker_cache_flagged",
+                "1 while the worker's reported cached tokens disagree with the router's "
+                "predictions (it gets no cache credit); cause: unseen (its events name other "
+                "blocks: hash seed, block size) or over-predicted (it has less than credited).",
+                labels=["worker", "cause"],
+            ),
+            "cache_agreement": GaugeMetricFamily(
+                "kvpool_router_worker_cache_agreement",
+                "Cached prompt tokens the worker reported and the router predicted alike, over "
+                "those either claimed, in its last answers (0..1).",
+                labels=["worker"],
+            ),
             "resyncs": CounterMetricFamily(
                 "kvpool_router_kv_event_resyncs",
                 "Times the worker's index entries were dropped because events were lost.",
@@ -266,6 +286,13 @@ class _PoolCollector(Collector):
             families["queued"].add_metric(w, rows.queued.get(s.id, 0))
             families["blocks"].add_metric(w, self.indexed_blocks(s.id))
             families["rate"].add_metric(w, s.prefill.rate)
+            check = s.agreement
+            if check is not None:
+                families["cache_flagged"].add_metric(
+                    [s.id, check.cause or ""], 1.0 if check.flagged else 0.0
+                )
+                if (ratio := check.ratio) is not None:
+                    families["cache_agreement"].add_metric(w, ratio)
             for family in EVENT_FAMILIES:
                 families[family].add_metric(w, rows.events[family].get(s.id, 0))
             for reason, count in rows.decisions.get(s.id, {}).items():

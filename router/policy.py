@@ -147,6 +147,10 @@ class Decision:
     candidates: list[Candidate]
     cached_tokens: int = 0
     predicted_ttft_s: float | None = None
+    #: what the index says the chosen worker holds of the prompt, in tokens, whether or not
+    #: it is credited (a worker whose cache disagrees with the index gets no credit, but
+    #: its answers are still checked against this)
+    matched_tokens: int = 0
 
     def explain(self) -> str:
         """``w1: cached 512, queue 0, ttft 41ms, ttft 1.00x1 load 0.80x0.1 = 1.080``..."""
@@ -408,6 +412,9 @@ class Policy:
             list(rows.values()),
             cached_tokens=row.cached_tokens,
             predicted_ttft_s=row.predicted_ttft_s,
+            matched_tokens=min(
+                req.matched_blocks.get(chosen.id, 0) * req.block_size, req._most_cached
+            ),
         )
 
     def _pick(

@@ -45,6 +45,7 @@ from kvpool.kv_events import EventSubscriber
 from kvpool.openai_api import WorkerInfo
 from kvpool.signing import kv_events_credential
 
+from .agreement import AgreementConfig, CacheAgreement
 from .discovery import WorkerEndpoint
 from .feed import IndexFeed
 from .index import BlockIndex
@@ -116,6 +117,15 @@ class WorkerState(WorkerLoad):
     # counted here, exported by the metrics collector: a removed worker's series go with it
     decisions: Counter[str] = field(default_factory=Counter)  # by reason
     mismatches: int = 0
+    cache_flags: int = 0  # times its answers' cached tokens were found to disagree
+    #: its answers' cached tokens against the index's predictions (None: not checked)
+    agreement: CacheAgreement | None = None
+
+    @property
+    def credited(self) -> bool:
+        """Whether its blocks earn cache credit: it hashes as the router does (by its own
+        word at registration) and its answers have not shown otherwise."""
+        return self.compatible and not (self.agreement is not None and self.agreement.flagged)
 
     @property
     def id(self) -> str:
@@ -146,7 +156,7 @@ class WorkerState(WorkerLoad):
             up,
             endpoint.draining,
             self.breaker.is_open(now),
-            self.compatible,
+            self.credited,
             self.in_flight + self.peer_in_flight,
             self.queued_tokens(now) + self.peer_queued,
             self.kv_usage if fresh else None,
@@ -181,6 +191,10 @@ class PoolConfig:
     models_interval_s: float = 10.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    # each worker's last answers whose cached tokens are checked against the index's
+    # predictions (0: not checked), and the agreement under which it loses cache credit
+    cache_check_answers: int = 32
+    cache_check_flag_below: float = 0.25
     # the pool secret shared with kvpool workers: their KV event sockets want the
     # credential derived from it (never logged)
     pool_secret: str | None = field(default=None, repr=False)
@@ -239,6 +253,15 @@ class WorkerPool:
         if self.peers is not None:
             state.on_load = self._own_load_changed
         state.peer_in_flight, state.peer_queued = self._peer_load.get(endpoint.id, (0, 0))
+        cfg = self.config
+        if cfg.cache_check_answers > 0:
+            check = AgreementConfig(
+                window=cfg.cache_check_answers,
+                min_answers=min(8, cfg.cache_check_answers),
+                flag_below=cfg.cache_check_flag_below,
+                clear_at=0.6,
+            )
+            state.agreement = CacheAgreement(endpoint.id, cfg.block_size, check)
         self.workers[endpoint.id] = state
         state.tasks.append(asyncio.create_task(self._health_loop(state)))
         state.tasks.append(asyncio.create_task(self._scrape_loop(state)))
@@ -424,6 +447,8 @@ class WorkerPool:
             log.warning("worker %s: registration failed: %s", state.id, exc)
             return
         state.info = info
+        if state.agreement is not None:
+            state.agreement.restarted()
         if info is not None and info.max_num_seqs is not None:
             state.batch_capacity = info.max_num_seqs  # its scheduler's word, before any scrape
             state.batch_announced = True
@@ -514,6 +539,16 @@ class WorkerPool:
             ev = state.info.kv_events
             return ev.endpoint, ev.replay_endpoint, ev.topic
         return None
+
+    def check_cache(self, state: WorkerState, predicted: int, reported: int) -> None:
+        """An answer's ``reported`` cached prompt tokens against the ``predicted``: see
+        :mod:`.agreement`. A verdict that changes counts in ``kvpool_router_worker_cache_flags``."""
+        check = state.agreement
+        if check is None or state.id not in self.workers:
+            return
+        events = self.feed.confirmations(state) if state.tracked else None
+        if check.observe(predicted, reported, events) and check.flagged:
+            state.cache_flags += 1
 
     # -- load -----------------------------------------------------------------------------
 

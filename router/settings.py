@@ -72,6 +72,11 @@ class RouterSettings(BaseModel):
     retry_backoff_s: float = Field(0.05, ge=0)
     breaker_failures: int = Field(3, ge=1)
     breaker_cooldown_s: float = Field(5.0, gt=0)
+    # each worker's last answers whose cached tokens (usage) are checked against the
+    # index's predictions (0: no check), and the agreement under which it loses cache
+    # credit (router/agreement.py)
+    cache_check_answers: int = Field(32, ge=0, le=10_000)
+    cache_check_flag_below: float = Field(0.25, ge=0.0, le=0.5)
     # whole answers (not streamed): the time for all of it
     request_timeout_s: float = Field(600.0, gt=0)
     # streams: the time to the first token (then retried elsewhere), and the longest

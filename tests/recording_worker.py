@@ -14,6 +14,11 @@ prompt's length less one (vLLM always computes the last prompt token) and rounde
 whole blocks of :attr:`block_size`. Both go into ``usage`` and into the counters
 ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` for every generation
 request the worker admits, streamed or not, with or without usage in the answer.
+
+With :meth:`RecordingWorker.publish_kv_events`, a completion prompt is tokenized and cached
+as vLLM does it instead: blocks keyed by a hash chain (with the hash seed given, which may
+be another than the router's), ``cached_tokens`` the leading blocks already held, and each
+new block published as a ``BlockStored`` KV event.
 """
 
 from __future__ import annotations
@@ -103,7 +108,9 @@ class RecordingWorker:
     :attr:`delay_headers` seconds pass before any generation request is answered at all.
     """
 
-    def __init__(self, models: list[dict[str, Any]] | None = None, name: str = "tiny") -> None:
+    def __init__(
+        self, models: list[dict[str, Any]] | None = None, name: str = "tiny", port: int = 0
+    ) -> None:
         self.name = name
         self.models: list[dict[str, Any]] = models or [
             {
@@ -137,6 +144,9 @@ class RecordingWorker:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._cache: list[tuple[tuple[str, str | None], list[str]]] = []
+        # publish_kv_events: (encode, hasher, publisher), and the block keys held
+        self._kv: tuple[Callable[[str], list[int]], Any, Any] | None = None
+        self._blocks: set[int] = set()
         self._vocab: dict[int, str] = {}
         self._registry = CollectorRegistry()
         self._registry.register(_Collector(self))
@@ -155,7 +165,7 @@ class RecordingWorker:
                 Route("/{path:path}", self._not_found, methods=_ALL_METHODS),
             ]
         )
-        self.server, self.thread, self.port = serve_in_thread(app, "recording-worker")
+        self.server, self.thread, self.port = serve_in_thread(app, "recording-worker", port)
         self.url = f"http://127.0.0.1:{self.port}"
 
     # -- for tests ----------------------------------------------------------------------------
@@ -179,6 +189,41 @@ class RecordingWorker:
             if time.monotonic() > deadline:
                 raise AssertionError("the recording worker never reached the condition")
             time.sleep(0.01)
+
+    def publish_kv_events(
+        self, encode: Callable[[str], list[int]], hasher: Any, publisher: Any
+    ) -> None:
+        """Cache completion prompts by blocks as vLLM does, and publish them: ``encode``
+        gives a prompt's token ids, ``hasher`` (a :class:`kvpool.hashing.BlockHasher`, its
+        seed this worker's) their block keys, and ``publisher`` (a started
+        :class:`kvpool.kv_events.EventPublisher`) gets a ``BlockStored`` for new blocks."""
+        self._kv = (encode, hasher, publisher)
+
+    def _cache_blocks(self, prompt: str, salt: str | None) -> tuple[int, int]:
+        """(prompt tokens, cached tokens) of a prompt in the block cache; its new blocks
+        are stored and published."""
+        from kvpool.kv_events import BlockStored, EventBatch
+
+        assert self._kv is not None
+        encode, hasher, publisher = self._kv
+        tokens = encode(prompt)
+        keys = hasher.prompt_keys(tokens, cache_salt=salt)
+        held = 0
+        while held < len(keys) and keys[held] in self._blocks:
+            held += 1
+        size = hasher.block_size
+        if held < len(keys):
+            self._blocks.update(keys[held:])
+            stored = BlockStored(
+                block_hashes=keys[held:],
+                parent_block_hash=keys[held - 1] if held else None,
+                token_ids=tokens[held * size : len(keys) * size],
+                block_size=size,
+            )
+            publisher.publish(EventBatch(events=[stored], ts=time.time()))
+        # the last prompt token is always computed
+        cached = min(held * size, (len(tokens) - 1) // size * size)
+        return len(tokens), max(cached, 0)
 
     def reset_prefix_cache(self) -> None:
         """Forget every prompt seen, as vLLM's ``/reset_prefix_cache`` does."""
@@ -343,7 +388,10 @@ class RecordingWorker:
             prompts = [_response_words(body)]
         key = (model, body.get("cache_salt"))
         prompt_tokens = cached = 0
-        for words in prompts:
+        prompt = body.get("prompt")
+        if self._kv is not None and kind == "completion" and isinstance(prompt, str):
+            prompt_tokens, cached = self._cache_blocks(prompt, body.get("cache_salt"))
+        for words in prompts if not (prompt_tokens or cached) else []:
             prompt_tokens += max(1, len(words))
             cached += self._lookup(key, words)
             self._cache.append((key, words))
@@ -366,7 +414,6 @@ class RecordingWorker:
         options = body.get("stream_options") or {}
         include_usage = bool(body.get("stream")) and options.get("include_usage") is True
         n = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
-        prompt = body.get("prompt")
         return _Gen(
             kind=kind,
             model=model,
@@ -644,13 +691,16 @@ class RecordingWorker:
         yield b"data: [DONE]\n\n"
 
 
-def serve_in_thread(app: Any, name: str) -> tuple[uvicorn.Server, threading.Thread, int]:
-    """Serve an ASGI app on 127.0.0.1 (a free port) in a daemon thread; returns the server
-    (``should_exit`` stops it), its thread and its port once it accepts connections."""
+def serve_in_thread(
+    app: Any, name: str, port: int = 0
+) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve an ASGI app on 127.0.0.1 (``port``, 0: a free one) in a daemon thread; returns
+    the server (``should_exit`` stops it), its thread and its port once it accepts
+    connections."""
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
-        port=0,
+        port=port,
         log_level="critical",
         access_log=False,
         lifespan="off",

@@ -251,8 +251,9 @@ async def test_applying_a_pool_creates_every_child_owned_and_as_rendered(kube: K
     assert status["decode"]["summary"] == "0/2"
     assert status["router"]["endpoint"] == "http://tiny-router.llm.svc"
     assert {c["type"] for c in status["conditions"]} == {
-        "Ready", "Progressing", "Degraded", "AutoscalingActive", "SLOMet",
+        "Ready", "Progressing", "Degraded", "AutoscalingActive", "SLOMet", "CacheAgreement",
     }  # fmt: skip
+    assert condition(pool, "CacheAgreement")["status"] == "Unknown"  # no router pod to scrape
     assert condition(pool, "Ready")["status"] == "False"
     assert "router: no available replica" in condition(pool, "Ready")["message"]
     assert condition(pool, "Degraded")["status"] == "False"

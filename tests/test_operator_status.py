@@ -115,6 +115,25 @@ def test_transition_time_moves_only_when_a_condition_changes_status() -> None:
     assert condition(changed, "Ready")["lastTransitionTime"] == "T3"
 
 
+def test_cache_agreement_is_unknown_until_a_router_judges_and_then_names_flagged_workers() -> None:
+    from kvpool.operator.scaling import cache_condition
+
+    status = build_status(SPEC, Observed(1, all_ready()), None, "T1", ENDPOINT)
+    assert condition(status, "CacheAgreement")["status"] == "Unknown"
+    assert cache_condition([("r-0", None), ("r-1", "garbage {")])[1] == "NoMetrics"
+    page = (
+        "# TYPE kvpool_router_worker_cache_flagged gauge\n"
+        'kvpool_router_worker_cache_flagged{worker="a",cause=""} 0\n'
+        'kvpool_router_worker_cache_flagged{worker="b",cause="over-predicted"} 1\n'
+    )
+    flagged = cache_condition([("r-0", page)])
+    status = build_status(SPEC, Observed(1, all_ready(), cache=flagged), status, "T2", ENDPOINT)
+    cond = condition(status, "CacheAgreement")
+    assert (cond["status"], cond["reason"]) == ("False", "Disagree")
+    assert "b (over-predicted)" in cond["message"] and "a (" not in cond["message"]
+    assert status["phase"] == "Ready"  # it serves, without cache credit for b
+
+
 def test_autoscaling_and_slo_conditions_default_to_what_the_spec_says() -> None:
     status = build_status(SPEC, Observed(1, all_ready()), None, "T1", ENDPOINT)
     assert condition(status, "AutoscalingActive")["reason"] == "Disabled"

@@ -881,7 +881,9 @@ class Status(BaseModel):
 
 
 class Condition(Status):
-    type: Literal["Ready", "Progressing", "Degraded", "AutoscalingActive", "SLOMet"]
+    type: Literal[
+        "Ready", "Progressing", "Degraded", "AutoscalingActive", "SLOMet", "CacheAgreement"
+    ]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
     message: str = Field("", max_length=32768)

@@ -1,0 +1,213 @@
+"""Whether a worker's cache is the one the router thinks it is: each answer's cached prompt
+tokens (``usage.prompt_tokens_details.cached_tokens``) against what the router predicted.
+
+A worker that hashes its blocks differently (another hash seed: a vLLM started without
+``PYTHONHASHSEED``; another block size or hash algorithm) or tokenizes differently (another
+model or chat template) breaks cache-aware routing without an error anywhere: its events
+name blocks the router never matches, or the router credits blocks the worker does not
+have. This module keeps, per worker, the last answers' predicted and reported cached
+tokens and judges them:
+
+* **agreement**: over the window, the tokens both agree on over the tokens either claims
+  (``sum(min(p, r)) / sum(max(p, r))``): 1 when every report matches its prediction, 0
+  when none overlaps. The prediction is what the index says the worker holds, whether or
+  not the policy credits it (a flagged worker's is still computed, so it can recover).
+* **flagged** in one of two ways, with enough evidence:
+
+  - ``over-predicted``: the agreement is under ``flag_below`` and the worker reports far
+    fewer cached tokens than predicted (its prefix cache is off or smaller than the router
+    thinks, or its tokens differ);
+  - ``unseen``: the worker reports cached tokens (its cache works) while its KV events
+    confirm almost none of the blocks the router sent it (under 5%): its events name
+    blocks by other hashes. The router's own speculative entries can hide this for a while
+    (they credit what it just sent there), so this verdict does not wait for the
+    agreement to fall; and an index that is only behind (a router restarted without a
+    replay) is not taken for it, since a worker that hashes alike confirms the new blocks
+    it stores.
+
+A flagged worker gets no cache credit until the window agrees again (``clear_at``); a
+worker that reports no ``cached_tokens`` (vLLM without ``--enable-prompt-tokens-details``)
+is not judged at all. Pure: the gateway feeds it and reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LIKELY_CAUSES", "AgreementConfig", "CacheAgreement"]
+
+log = logging.getLogger("kvpool.router.agreement")
+
+#: what to check when a worker is flagged, by the way it disagrees
+LIKELY_CAUSES = {
+    "unseen": (
+        "its KV events never name the blocks the router sends it: its hash seed (vLLM's "
+        "PYTHONHASHSEED), block size or hash algorithm differs from the router's"
+    ),
+    "over-predicted": (
+        "it serves far fewer cached tokens than the router credits it with: prefix caching "
+        "off, a smaller KV cache than its events say, or it tokenizes prompts differently "
+        "(another model or chat template)"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class AgreementConfig:
+    """``window`` answers are judged; at least ``min_answers`` of them claiming cached
+    tokens, and ``min_blocks`` blocks claimed in all, before any verdict."""
+
+    window: int = 32
+    min_answers: int = 8
+    min_blocks: int = 8
+    flag_below: float = 0.25
+    clear_at: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.flag_below < self.clear_at <= 1:
+            raise ValueError("need 0 <= flag_below < clear_at <= 1")
+        if not 1 <= self.min_answers <= self.window:
+            raise ValueError("need 1 <= min_answers <= window")
+
+
+@dataclass(slots=True)
+class _Answer:
+    predicted: int
+    reported: int
+    #: the worker's index counters when it came: blocks speculated there, and how many of
+    #: them its events stored (None: it publishes no events)
+    speculated: int | None
+    confirmed: int | None
+
+
+class CacheAgreement:
+    """One worker's recent predictions and reports, and the verdict on them."""
+
+    __slots__ = ("_answers", "block_size", "cause", "config", "flagged", "worker")
+
+    def __init__(self, worker: str, block_size: int, config: AgreementConfig) -> None:
+        self.worker = worker
+        self.block_size = block_size
+        self.config = config
+        self._answers: deque[_Answer] = deque(maxlen=config.window)
+        self.flagged = False
+        self.cause: str | None = None  # unseen or over-predicted, while flagged
+
+    def observe(
+        self,
+        predicted: int,
+        reported: int,
+        events: tuple[int, int] | None = None,
+    ) -> bool:
+        """One answer: ``predicted`` cached tokens, ``reported`` by the worker, and
+        ``events`` the index's (speculated, confirmed) block counters of the worker (None
+        when it publishes no events). Returns whether the verdict changed."""
+        speculated, confirmed = events if events is not None else (None, None)
+        self._answers.append(_Answer(max(predicted, 0), max(reported, 0), speculated, confirmed))
+        return self._judge()
+
+    def restarted(self) -> None:
+        """The worker is a new process (it registered again): what the old one answered says
+        nothing of it. A flag stays until the new one agrees, so a restart with the same
+        wrong setting gets no credit in between."""
+        self._answers.clear()
+
+    # -- the verdict ------------------------------------------------------------------------
+
+    def totals(self) -> tuple[int, int, int]:
+        """(predicted, reported, agreed) cached tokens over the window."""
+        p = r = agreed = 0
+        for a in self._answers:
+            p += a.predicted
+            r += a.reported
+            agreed += min(a.predicted, a.reported)
+        return p, r, agreed
+
+    @property
+    def ratio(self) -> float | None:
+        """Agreed tokens over claimed ones in the window; None before any claim."""
+        agreed = sum(min(a.predicted, a.reported) for a in self._answers)
+        claimed = sum(max(a.predicted, a.reported) for a in self._answers)
+        return agreed / claimed if claimed else None
+
+    def _evidence(self) -> bool:
+        cfg = self.config
+        claims = [a for a in self._answers if a.predicted or a.reported]
+        claimed = sum(max(a.predicted, a.reported) for a in claims)
+        return len(claims) >= cfg.min_answers and claimed >= cfg.min_blocks * self.block_size
+
+    def _events_delta(self) -> tuple[int, int]:
+        """Blocks speculated on the worker over the window, and those its events confirmed
+        (negative: the index forgot the worker meanwhile; 0, 0 without events)."""
+        first, last = self._answers[0], self._answers[-1]
+        if first.speculated is None or last.speculated is None:
+            return 0, 0
+        assert first.confirmed is not None and last.confirmed is not None
+        return last.speculated - first.speculated, last.confirmed - first.confirmed
+
+    def _unmatched_events(self) -> bool:
+        """Whether the router speculated blocks on the worker over the window and its
+        events confirmed almost none of them."""
+        sent, confirmed = self._events_delta()
+        return sent >= self.config.min_blocks and 0 <= confirmed * 20 < sent
+
+    def _judge(self) -> bool:
+        if not self._evidence():
+            return False
+        ratio = self.ratio
+        assert ratio is not None
+        cfg = self.config
+        p, r, _ = self.totals()
+        unseen = r >= cfg.min_blocks * self.block_size and self._unmatched_events()
+        if self.flagged:
+            if ratio >= cfg.clear_at and not unseen:
+                self.flagged, self.cause = False, None
+                log.warning(
+                    "worker %s: its cached tokens agree with the router's predictions again "
+                    "(%.0f%% over the last %d answers): cache credit restored",
+                    self.worker,
+                    100 * ratio,
+                    len(self._answers),
+                )
+                return True
+            return False
+        if unseen:
+            cause = "unseen"
+        elif ratio < cfg.flag_below and r < p:
+            cause = "over-predicted"
+        else:
+            return False
+        self.flagged, self.cause = True, cause
+        if cause == "unseen":
+            sent, confirmed = self._events_delta()
+            evidence = (
+                f"its KV events confirmed {confirmed} of the {sent} blocks the router sent it, "
+                f"while it reported {r} cached tokens"
+            )
+        else:
+            evidence = f"it reported {r} cached tokens against {p} predicted"
+        log.error(
+            "worker %s: its cache disagrees with the router's: over its last %d answers %s; "
+            "likely cause: %s. It gets no cache credit until they agree.",
+            self.worker,
+            len(self._answers),
+            evidence,
+            LIKELY_CAUSES[cause],
+        )
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """What ``/debug/workers`` shows."""
+        p, r, _ = self.totals()
+        return {
+            "flagged": self.flagged,
+            "cause": self.cause,
+            "likely_causes": LIKELY_CAUSES[self.cause] if self.cause else None,
+            "agreement": self.ratio,
+            "answers": len(self._answers),
+            "predicted_tokens": p,
+            "reported_tokens": r,
+        }
