@@ -668,7 +668,7 @@ _DECISION = re.compile(r"^kvpool_router_routing_decisions_total\{([^}]*)\} ([0-9
 
 
 def router_decisions(url: str) -> dict[str, float]:
-    """kvpool's routing decisions by reason (prefix, spill, load, ...), over the run."""
+    """kvpool's routing decisions by reason (prefix, spill, ttft, ...), over the run."""
     import httpx
 
     out: dict[str, float] = {}

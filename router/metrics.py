@@ -242,7 +242,8 @@ class _PoolCollector(Collector):
             ),
             "decisions": CounterMetricFamily(
                 "kvpool_router_routing_decisions",
-                "Routing decisions by chosen worker and reason (prefix, spill, load, single, "
+                "Routing decisions by chosen worker and reason (prefix, spill, affinity, the "
+                "deciding scorer when every worker held as much of the prompt, tie, single, "
                 "or the baseline policy's name).",
                 labels=["worker", "reason"],
             ),

@@ -53,6 +53,7 @@ __all__ = [
     "FILTERS",
     "PD_REASONS",
     "POLICIES",
+    "REASONS",
     "SCORERS",
     "Candidate",
     "Decision",
@@ -142,7 +143,7 @@ class Candidate:
 @dataclass(slots=True)
 class Decision:
     worker: str | None  # None: no worker can take it
-    reason: str  # a bounded label: prefix, spill, affinity, load, single, ... no_worker
+    reason: str  # one of REASONS, or a baseline policy's name
     policy: str
     candidates: list[Candidate]
     cached_tokens: int = 0
@@ -293,6 +294,18 @@ SCORERS: dict[str, Scorer] = {
     "affinity": _affinity_score,
 }
 
+#: why a worker was chosen (``kvpool_router_routing_decisions_total{reason}``), besides a
+#: baseline policy's own name:
+#:
+#: * ``prefix``: it holds more of the prompt than another worker that could have taken it;
+#: * ``spill``: another worker holds more, but was too busy (filtered, or slower);
+#: * ``affinity``: the conversation stayed on its worker over a bigger prefix elsewhere;
+#: * a scorer's name (``ttft``, ``in-flight``, ...): every eligible worker held as much of
+#:   the prompt (nothing, or a prefix that is everywhere), and that score decided;
+#: * ``tie``: that, and their totals were equal (the picker drew); ``single``: one
+#:   eligible worker; ``no_worker``: none.
+REASONS = ("prefix", "spill", "affinity", *SCORERS, "tie", "single", "no_worker")
+
 
 # -- policies ----------------------------------------------------------------------------
 
@@ -407,7 +420,7 @@ class Policy:
         row = rows[chosen.id]
         return Decision(
             chosen.id,
-            self._reason(req, chosen, alive, workers),
+            self._reason(req, chosen, alive, workers, rows),
             cfg.name,
             list(rows.values()),
             cached_tokens=row.cached_tokens,
@@ -449,7 +462,12 @@ class Policy:
         chosen: WorkerView,
         alive: list[WorkerView],
         workers: Sequence[WorkerView],
+        rows: dict[str, Candidate],
     ) -> str:
+        """Why ``chosen``, in one bounded label (see :data:`REASONS`). ``prefix`` only
+        when it holds more of the prompt than another worker that could have taken it: a
+        prefix every eligible worker holds (a system prompt everywhere) decided nothing, and
+        the scorer that did is named instead."""
         if self.config.name in BASELINES:
             return self.config.name  # a baseline's choice has one reason: its rule
         if len(alive) == 1:
@@ -458,13 +476,28 @@ class Policy:
         best_anywhere = max(
             (req.cached_tokens(w) for w in workers if w.healthy and not w.draining), default=0
         )
-        if best_anywhere == 0:
-            return "load"  # nobody holds any of it: the least busy worker wins
-        if cached >= best_anywhere:
+        if cached < best_anywhere:
+            if req.affinity is not None and chosen.id == req.affinity:
+                return "affinity"  # the conversation stayed on its worker over a bigger prefix
+            return "spill"  # a worker with more of the prefix was too busy
+        if any(req.cached_tokens(w) < cached for w in alive):
             return "prefix"
-        if req.affinity is not None and chosen.id == req.affinity:
-            return "affinity"  # the conversation stayed on its worker over a bigger prefix
-        return "spill"  # a worker with more of the prefix was too busy
+        return self._decider(chosen, alive, rows)
+
+    def _decider(
+        self, chosen: WorkerView, alive: list[WorkerView], rows: dict[str, Candidate]
+    ) -> str:
+        """The scorer that put ``chosen`` ahead of the runner-up (the most weighted score it
+        won by), or ``tie`` when their totals were equal and the picker drew."""
+        mine = rows[chosen.id]
+        others = [rows[w.id] for w in alive if w.id != chosen.id]
+        runner = max(others, key=lambda c: c.total if c.total is not None else -math.inf)
+        best, margin = "tie", 1e-9
+        for name, _, weight in self._scorers:
+            lead = weight * (mine.scores.get(name, 0.0) - runner.scores.get(name, 0.0))
+            if lead > margin:
+                best, margin = name, lead
+        return best
 
 
 def saturation(

@@ -335,7 +335,7 @@ def test_a_long_prefill_queue_outweighs_affinity() -> None:
     ws = workers(2)
     ws[1].queued_tokens = 50_000
     d = Policy(AFFINITY).decide(session_req("w1"), ws)
-    assert (d.worker, d.reason) == ("w0", "load")
+    assert (d.worker, d.reason) == ("w0", "ttft")  # nobody holds any of it: the TTFT decided
 
 
 def test_affinity_keeps_a_session_over_a_slightly_bigger_prefix_and_says_so() -> None:
@@ -396,3 +396,49 @@ def test_the_pool_is_saturated_only_when_every_eligible_worker_would_queue_the_r
     # Every worker over its decode guard.
     hot = workers(2, kv_usage=0.99)
     assert saturation(policy.decide(req(100), hot), 2.0) == "guard"
+
+
+# -- reasons ---------------------------------------------------------------------------------
+
+
+def test_a_prefix_every_worker_holds_is_not_the_reason_the_deciding_scorer_is() -> None:
+    ws = workers(3)
+    ws[0].queued_tokens = ws[1].queued_tokens = 4000  # w2 is the quickest
+    d = Policy.named("kvpool").decide(req(2000, w0=10, w1=10, w2=10), ws)
+    assert (d.worker, d.reason) == ("w2", "ttft")
+    # all alike: the picker drew
+    d = Policy.named("kvpool").decide(req(2000, w0=10, w1=10, w2=10), workers(3))
+    assert d.reason == "tie"
+    # a worker that could not take it does not make the others' shared prefix a reason
+    ws = workers(3)
+    ws[2].healthy = False
+    d = Policy.named("kvpool").decide(req(2000, w0=10, w1=10), ws)
+    assert d.reason == "tie"
+
+
+def test_prefix_is_the_reason_when_the_chosen_worker_holds_more_than_another() -> None:
+    d = Policy.named("kvpool").decide(req(2000, w0=10, w1=10, w2=30), workers(3))
+    assert (d.worker, d.reason) == ("w2", "prefix")
+    d = Policy.named("kvpool").decide(req(2000, w0=10, w1=10), workers(3))
+    assert d.worker in ("w0", "w1") and d.reason == "prefix"  # more than w2's nothing
+
+
+def test_a_conversation_trace_where_little_could_hit_is_not_labelled_prefix() -> None:
+    """Every worker holds the first block (a system prompt); one request in eight
+    continues a conversation whose blocks one worker holds. Only those are ``prefix``."""
+    rng = random.Random(7)
+    policy = Policy.named("kvpool", rng=rng)
+    reasons: Counter[str] = Counter()
+    for i in range(600):
+        ws = workers(8)
+        for w in ws:
+            w.queued_tokens = rng.randrange(0, 3000)
+            w.in_flight = rng.randrange(0, 4)
+        matched = {f"w{k}": 1 for k in range(8)}
+        follow_up = i % 8 == 0
+        if follow_up:
+            matched[f"w{rng.randrange(8)}"] = 60
+        d = policy.decide(req(2000, **matched), ws)
+        reasons[d.reason] += 1
+    assert reasons["prefix"] + reasons["spill"] == 75  # the follow-ups, and only they
+    assert reasons["ttft"] >= 500
