@@ -47,7 +47,9 @@ def test_a_text_of_n_words_is_n_tokens_and_texts_concatenate(words: Any) -> None
     assert b.startswith(words.text("b", 50))
 
 
-@pytest.mark.parametrize("name", ["groups", "multi-turn", "mooncake", "one-system-prompt"])
+@pytest.mark.parametrize(
+    "name", ["groups", "multi-turn", "mooncake", "one-system-prompt", "agentic"]
+)
 def test_every_workload_is_the_same_each_time_it_is_built(
     routing: ModuleType, words: Any, name: str
 ) -> None:
@@ -83,6 +85,57 @@ def test_every_turn_extends_the_previous_prompt(routing: ModuleType, words: Any)
             # the answer (as long as the generated one) and a question of 16-256 tokens
             added = words.count(prompt[len(previous) :])
             assert s.max_tokens[k - 1] + 16 <= added <= s.max_tokens[k - 1] + 256
+
+
+def test_agent_steps_grow_one_context_and_bursts_share_it(routing: ModuleType, words: Any) -> None:
+    sessions = routing.agentic(words, 8.0, 10.0)
+    requests = sorted(r for s in sessions for r in s.requests())
+    assert len(requests) == 80  # every arrival is one request, a burst's siblings too
+    tools = words.text("agent-tools", routing.AGENT_TOOLS_TOKENS)
+    bursts = 0
+    for s in sessions:
+        assert s.session_id is not None and 1 <= len(s.prompts) <= 10
+        for k, prompt in enumerate(s.prompts):
+            assert prompt.startswith(tools)  # one system prompt for every agent
+            if k:
+                previous = s.prompts[k - 1]
+                assert prompt.startswith(previous)
+                # the last action (as long as its answer) and a tool result of 50-400
+                added = words.count(prompt[len(previous) :])
+                assert s.max_tokens[k - 1] + 50 <= added <= s.max_tokens[k - 1] + 400
+            for sibling, max_tokens in s.turn_siblings(k):
+                bursts += 1
+                assert (
+                    sibling.startswith(prompt) and 20 <= words.count(sibling[len(prompt) :]) <= 80
+                )
+                assert 8 <= max_tokens <= 32
+    assert bursts >= 5
+
+
+def test_the_bound_is_what_an_unlimited_or_an_optimally_evicted_pooled_cache_hits(
+    routing: ModuleType, words: Any
+) -> None:
+    block = 16
+    a, b, c = (words.text(k, 4 * block) for k in "abc")
+
+    def request(at: float, prompt: str) -> Any:
+        return routing.Session((at,), (prompt,), (1,))
+
+    # a, b, a, c, a, b: 4 blocks each; the last token is never a hit
+    order = [a, b, a, c, a, b]
+    sessions = [request(i, p) for i, p in enumerate(order)]
+    total = 6 * 4 * block
+    hit = 4 * block - 1
+    unlimited = routing.hit_bounds(words, sessions, capacity=10**6)
+    assert unlimited["unlimited"] == unlimited["pooled"] == pytest.approx(3 * hit / total)
+    # room for 8 blocks (two prompts): Belady keeps a (used again soonest) over c and b
+    # where LRU would have lost the last b
+    tight = routing.hit_bounds(words, sessions, capacity=8)
+    assert tight["unlimited"] == pytest.approx(3 * hit / total)
+    assert tight["pooled"] == pytest.approx(3 * hit / total)  # b survives: c is never used again
+    # room for one prompt: only back-to-back repeats could hit, and there are none but a's
+    one = routing.hit_bounds(words, sessions, capacity=4)
+    assert one["pooled"] < tight["pooled"]
 
 
 def test_mooncake_prompts_share_exactly_the_blocks_their_hash_ids_share(
@@ -158,7 +211,7 @@ def test_goals_tell_misses_within_run_to_run_noise_from_real_ones(routing: Modul
         "kvpool": {"8": run(1.05, 0.60), "16": run(1.30, 0.50)},
         "round-robin": {"8": run(1.00, 0.61), "16": run(1.00, 0.40)},
     }
-    ttft, hit = routing.goals("groups", rows)
+    ttft, hit = routing.goals("groups", rows)[:2]
     assert not ttft["held"] and not ttft["held_within_noise"]  # 30% worse at 16 req/s
     assert [(m["rate"], m["beyond"]) for m in ttft["misses"]] == [("8", False), ("16", True)]
     assert not hit["held"] and hit["held_within_noise"]  # one point under, at 8 req/s
