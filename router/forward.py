@@ -99,6 +99,8 @@ class Routed:
     #: the plan admission made when it let the request straight through (the pool was not
     #: saturated for it): the one it is sent by, not made twice
     plan: Plan | None = None
+    #: its prefix was counted in the router's heat (once, whatever the plans made for it)
+    heat_seen: bool = False
 
 
 @dataclass
@@ -192,16 +194,23 @@ class Forwarder:
             if t.number == 0 and (first is not None or count_hit) and leg is None:
                 metrics.predicted_hit_tokens.inc(decision.cached_tokens)
             now = time.monotonic()
+            held = routed.num_tokens + routed.max_tokens  # its KV there while it runs
             if leg is None:
                 ticket = state.begin(
                     routed.num_tokens - decision.cached_tokens,
                     decision.predicted_ttft_s or 0.0,
                     now,
                     shows_first_token=routed.stream,
+                    kv_tokens=held,
                 )
             else:  # its prefill is pulled: it computes the tail, after the transfer
                 ticket = state.begin(
-                    leg.tail_tokens, 0.0, now, learn=False, shows_first_token=routed.stream
+                    leg.tail_tokens,
+                    0.0,
+                    now,
+                    learn=False,
+                    shows_first_token=routed.stream,
+                    kv_tokens=held,
                 )
             attempt = Attempt()
             state.attempts.add(attempt)
@@ -320,6 +329,7 @@ class Forwarder:
                 decision.predicted_ttft_s or 0.0,
                 now,
                 shows_first_token=True,  # the leg's answer is its first token
+                kv_tokens=routed.num_tokens,
             )
             leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
             try:

@@ -77,6 +77,8 @@ class Ticket:
     routed_at: float
     expires_at: float  # when its tokens stop counting as queued if no first token is seen
     learn: bool = True  # its TTFT measures the worker's prefill (not a decode leg's pull)
+    #: the KV cache it takes there while it runs: its prompt and the most it may generate
+    kv_tokens: int = 0
     first_token_seen: bool = False
     ended: bool = False
 
@@ -91,6 +93,9 @@ class WorkerLoad:
     extends it with membership and health)."""
 
     in_flight: int = 0
+    #: the KV cache its requests in flight take (prompt and most output, in tokens): ten
+    #: 32k-token conversations weigh what they hold, not what ten questions do
+    active_tokens: int = 0
     queued: dict[int, Ticket] = field(default_factory=dict)
     prefill: PrefillModel = field(default_factory=PrefillModel)
     itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
@@ -135,6 +140,7 @@ class WorkerLoad:
         *,
         learn: bool = True,
         shows_first_token: bool = False,
+        kv_tokens: int = 0,
     ) -> Ticket:
         """``learn=False``: a decode leg, whose first token waits for a block transfer as
         well as for its prefill, so its TTFT would teach the prefill model wrong.
@@ -151,8 +157,10 @@ class WorkerLoad:
             # they should have been prefilled (twice the prediction, at least 2 s).
             expires_at=math.inf if shows_first_token else now + max(2 * predicted_ttft, 2.0),
             learn=learn,
+            kv_tokens=kv_tokens,
         )
         self.in_flight += 1
+        self.active_tokens += kv_tokens
         self.queued[id(ticket)] = ticket
         self._queued_sum += tokens
         self._queued_due = min(self._queued_due, ticket.expires_at)
@@ -198,6 +206,7 @@ class WorkerLoad:
         if not ticket.ended:
             ticket.ended = True
             self.in_flight -= 1
+            self.active_tokens -= ticket.kv_tokens
             self._dequeue(ticket)
             self._load_changed()
 

@@ -95,6 +95,9 @@ class WorkerView:
     prefill: PrefillModel = field(default_factory=PrefillModel)
     batch_capacity: int | None = None  # requests it runs at once: announced, or seen queueing
     batch_announced: bool = False  # the worker said it (its max_num_seqs): exact, not learned
+    #: KV its requests in flight take, in tokens (their prompts and most output): decode
+    #: load weighed by what each sequence holds, not counted
+    active_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +108,10 @@ class RouteRequest:
     model: str | None = None
     roles: tuple[Role, ...] = ("both", "decode")
     affinity: str | None = None  # the worker this request's session was last sent to
+    #: how many workers should hold the prompt's deepest shared prefix, by its share of the
+    #: traffic (router/heat.py; 0: no opinion), and how many of its blocks make a holder
+    spread_wanted: int = 0
+    spread_depth: int = 0
     # The last token is always computed, so a fully cached prompt still prefills one.
     _most_cached: int = field(init=False, repr=False, compare=False)
     # Within one :meth:`Policy.decide`: each worker's predicted TTFT, computed once for its
@@ -136,6 +143,7 @@ class Candidate:
     predicted_ttft_s: float | None = None
     batch_capacity: int | None = None
     batch_announced: bool = False
+    active_tokens: int = 0
     scores: dict[str, float] = field(default_factory=dict)  # scorer -> score in [0, 1]
     total: float | None = None
 
@@ -214,7 +222,9 @@ def _some(names: frozenset[str], shown: int = 3) -> str:
 def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
     """Keep each worker's in-flight requests within ``guard_ratio`` of the pool's mean (plus
     ``guard_slack``) and its KV cache below ``guard_kv_usage``: past those, decoding slows
-    everyone on it, whatever the cache saves. Never drops every worker."""
+    everyone on it, whatever the cache saves. Never drops every worker. (The same bound on
+    the KV its requests hold, tried, dropped holders of long prompts too often: the
+    ``kv-load`` scorer weighs it instead.)"""
     if len(workers) < 2:
         return {}
     mean = sum(w.in_flight for w in workers) / len(workers)
@@ -274,6 +284,28 @@ def _kv_usage_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, f
     return {w.id: 1.0 - min(max(w.kv_usage or 0.0, 0.0), 1.0) for w in workers}
 
 
+def _kv_load_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    """Decode load in KV terms: 1 for a worker whose requests in flight hold no KV, down to
+    near 0 for the one holding the most. Among workers that would start the request as
+    soon (equal TTFT scores), the one decoding least context wins: a step of a batch of
+    long sequences is slower for every sequence in it, the new one too."""
+    most = max(w.active_tokens for w in workers)
+    return {w.id: 1.0 - w.active_tokens / (most + 1) for w in workers}
+
+
+def _spread_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    """A new copy of a hot prefix: 1 for a worker without the prompt's deepest shared
+    prefix while fewer workers hold it than its share of the traffic calls for
+    (``spread_wanted``), else 0 for all. Its weight outweighs the holders' head start on
+    TTFT, so the copy is made before their queues show the need, on the quickest
+    non-holder (the other scores still order those)."""
+    wanted, depth, matched = req.spread_wanted, req.spread_depth, req.matched_blocks
+    holders = sum(1 for w in workers if matched.get(w.id, 0) >= depth) if wanted > 1 else 0
+    if wanted <= 1 or holders >= wanted:
+        return dict.fromkeys((w.id for w in workers), 0.0)
+    return {w.id: 0.0 if matched.get(w.id, 0) >= depth else 1.0 for w in workers}
+
+
 def _queue_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
     most = max(w.queued_tokens for w in workers)
     return {w.id: 1.0 - w.queued_tokens / (most + 1) for w in workers}
@@ -290,6 +322,8 @@ SCORERS: dict[str, Scorer] = {
     "prefix": _prefix_score,
     "in-flight": _in_flight_score,
     "kv-usage": _kv_usage_score,
+    "kv-load": _kv_load_score,
+    "spread": _spread_score,
     "queue": _queue_score,
     "affinity": _affinity_score,
 }
@@ -300,11 +334,13 @@ SCORERS: dict[str, Scorer] = {
 #: * ``prefix``: it holds more of the prompt than another worker that could have taken it;
 #: * ``spill``: another worker holds more, but was too busy (filtered, or slower);
 #: * ``affinity``: the conversation stayed on its worker over a bigger prefix elsewhere;
+#: * ``spread``: a new copy of a hot prefix, on a worker without it (the ``spread`` score);
 #: * a scorer's name (``ttft``, ``in-flight``, ...): every eligible worker held as much of
 #:   the prompt (nothing, or a prefix that is everywhere), and that score decided;
 #: * ``tie``: that, and their totals were equal (the picker drew); ``single``: one
 #:   eligible worker; ``no_worker``: none.
 REASONS = ("prefix", "spill", "affinity", *SCORERS, "tie", "single", "no_worker")
+# ("spread" is a scorer's name and a reason of its own: the scorer that copies a prefix)
 
 
 # -- policies ----------------------------------------------------------------------------
@@ -314,7 +350,12 @@ REASONS = ("prefix", "spill", "affinity", *SCORERS, "tie", "single", "no_worker"
 class PolicyConfig:
     name: str = "kvpool"
     filters: tuple[str, ...] = ("healthy", "role", "model", "decode-load")
-    scorers: tuple[tuple[str, float], ...] = (("ttft", 1.0), ("prefix", 0.5))
+    scorers: tuple[tuple[str, float], ...] = (
+        ("ttft", 1.0),
+        ("prefix", 0.5),
+        ("kv-load", 0.3),
+        ("spread", 1.5),
+    )
     picker: Literal["max", "round-robin", "random"] = "max"
     guard_ratio: float = 1.5
     guard_slack: float = 4.0
@@ -394,6 +435,7 @@ class Policy:
                 predicted,
                 w.batch_capacity,
                 w.batch_announced,
+                w.active_tokens,
             )
         try:
             return self._decide(req, workers, rows, dry_run)
@@ -479,6 +521,8 @@ class Policy:
         if cached < best_anywhere:
             if req.affinity is not None and chosen.id == req.affinity:
                 return "affinity"  # the conversation stayed on its worker over a bigger prefix
+            if rows[chosen.id].scores.get("spread", 0.0) > 0:
+                return "spread"  # a new copy of a hot prefix
             return "spill"  # a worker with more of the prefix was too busy
         if any(req.cached_tokens(w) < cached for w in alive):
             return "prefix"
@@ -609,7 +653,7 @@ def decode_policy_config(base: PolicyConfig) -> PolicyConfig:
         return base
     from dataclasses import replace
 
-    scorers = (("in-flight", 1.0), ("kv-usage", 0.1), ("prefix", 0.01))
+    scorers = (("in-flight", 1.0), ("kv-load", 0.5), ("kv-usage", 0.1), ("prefix", 0.01))
     scorers += tuple((name, w) for name, w in base.scorers if name == "affinity")
     return replace(base, scorers=scorers)
 

@@ -164,6 +164,7 @@ class WorkerState(WorkerLoad):
             self.prefill,
             self.batch_capacity,
             self.batch_announced,
+            self.active_tokens,
         )
 
     def set_models(self, cards: list[dict[str, Any]]) -> None:

@@ -43,6 +43,7 @@ from .admission import Gate, Pass
 from .affinity import SessionAffinity
 from .discovery import StaticDiscovery, WorkerEndpoint
 from .forward import PASSED_HEADERS, Forwarder, Routed
+from .heat import PrefixHeat
 from .index import BlockIndex
 from .metrics import RouterMetrics
 from .openapi import openapi_schema
@@ -59,6 +60,9 @@ from .tokens import PromptKeys
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
+
+#: a prompt's deepest shared prefix is judged for spreading from this many blocks on
+SPREAD_MIN_BLOCKS = 4
 
 #: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
 MAX_REQUEST_ID = 256
@@ -89,6 +93,8 @@ class Router(AdminEndpoints):
             approx_capacity_blocks=s.approx_capacity_blocks,
         )
         self.sessions = SessionAffinity(s.session_capacity, s.session_ttl_s)
+        #: each shared prefix's share of the traffic, for the spread scorer
+        self.heat = PrefixHeat()
         # Responses API ids -> the worker that stored them: vLLM keeps a stored response in
         # its process, so a request continuing it (previous_response_id) must go there.
         self.responses = SessionAffinity(s.session_capacity, s.session_ttl_s)
@@ -602,20 +608,44 @@ class Router(AdminEndpoints):
             limit = self.pool.context_tokens()
         return await self.prompt_keys.of(fields, adapter, limit)
 
-    def _route_request(self, routed: Routed) -> RouteRequest:
-        matched = self._pool().feed.match(routed.keys)
+    def _route_request(self, routed: Routed, *, observe: bool = True) -> RouteRequest:
+        """The policy's input. ``observe``: the request is being routed (not a dry run): its
+        deepest shared prefix counts in the heat, once."""
+        pool = self._pool()
+        matched = pool.feed.match(routed.keys)
         routed.ranks = {w: r for w, (_, r) in matched.items() if r is not None}
+        blocks = {w: b for w, (b, _) in matched.items()}
+        # The prefix is named at four fifths of the deepest match: the blocks after it
+        # (where a question starts) differ from request to request, and would split one
+        # system prompt's heat over many names.
+        depth = max(blocks.values(), default=0) * 4 // 5
+        key = routed.keys[depth - 1] if depth >= SPREAD_MIN_BLOCKS else None
+        if observe and not routed.heat_seen:
+            routed.heat_seen = True
+            self.heat.observe(key)
         return RouteRequest(
             num_tokens=routed.num_tokens,
             block_size=self.settings.block_size,
-            matched_blocks={w: blocks for w, (blocks, _) in matched.items()},
+            matched_blocks=blocks,
             model=routed.model,
             affinity=self.sessions.get(routed.session) if routed.session else None,
+            spread_wanted=self._spread_wanted(key, pool),
+            spread_depth=depth,
         )
+
+    def _spread_wanted(self, key: int | None, pool: WorkerPool) -> int:
+        """How many workers should hold the prefix ``key`` (0: no opinion)."""
+        if key is None:
+            return 0
+        share = self.heat.share(key)
+        if share == 0.0:
+            return 0
+        busy = sum(s.in_flight + s.peer_in_flight for s in pool.workers.values())
+        return self.heat.wanted(key, len(pool.workers), busy + 1)  # this one too
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
         return self.planner.plan(
-            self._route_request(routed),
+            self._route_request(routed, observe=not dry_run),
             self._pool().views(),
             splittable=routed.splittable,
             dry_run=dry_run,
@@ -637,7 +667,7 @@ class Router(AdminEndpoints):
         """Another worker for a request sent again: ``leg`` is ``aggregated`` (the request
         whole), ``prefill`` or ``decode`` (one half of a split)."""
         views = [v for v in self._pool().views() if v.id not in exclude]
-        req = self._route_request(routed)
+        req = self._route_request(routed, observe=not dry_run)
         if leg == "prefill":
             return self.planner.prefill_decision(req, views, dry_run=dry_run)
         if leg == "decode":

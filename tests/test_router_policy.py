@@ -26,8 +26,20 @@ CFG = PolicyConfig()
 AFFINITY = PolicyConfig(scorers=(*CFG.scorers, ("affinity", 0.3)))
 
 
-def req(num_tokens: int = 1000, block_size: int = 16, **matched: int) -> RouteRequest:
-    return RouteRequest(num_tokens=num_tokens, block_size=block_size, matched_blocks=matched)
+def req(
+    num_tokens: int = 1000,
+    block_size: int = 16,
+    spread_wanted: int = 0,
+    spread_depth: int = 0,
+    **matched: int,
+) -> RouteRequest:
+    return RouteRequest(
+        num_tokens=num_tokens,
+        block_size=block_size,
+        matched_blocks=matched,
+        spread_wanted=spread_wanted,
+        spread_depth=spread_depth,
+    )
 
 
 def workers(n: int, **fields: object) -> list[WorkerView]:
@@ -312,7 +324,9 @@ def session_req(affinity: str | None, num_tokens: int = 1000, **matched: int) ->
 
 
 def test_the_default_policy_has_no_affinity_and_the_settings_can_add_it() -> None:
-    assert PolicyConfig().scorers == (("ttft", 1.0), ("prefix", 0.5))
+    assert PolicyConfig().scorers == (
+        ("ttft", 1.0), ("prefix", 0.5), ("kv-load", 0.3), ("spread", 1.5),
+    )  # fmt: skip
     policy = Policy.named("kvpool", scorers=AFFINITY.scorers)
     assert dict(policy.config.scorers)["affinity"] == 0.3
 
@@ -349,7 +363,10 @@ def test_the_explanation_shows_the_affinity_score() -> None:
     d = Policy(AFFINITY).decide(session_req("w1"), workers(2))
     rows = {c.worker: c for c in d.candidates}
     assert rows["w1"].scores["affinity"] == 1.0 and rows["w0"].scores["affinity"] == 0.0
-    assert "w1: cached 0, queue 0, ttft 1.00 prefix 0.00 affinity 1.00 = 1.300" in d.explain()
+    assert (
+        "w1: cached 0, queue 0, ttft 1.00 prefix 0.00 kv-load 1.00 spread 0.00 affinity 1.00 "
+        "= 1.600" in d.explain()
+    )
 
 
 def test_the_decode_leg_keeps_affinity_and_its_weight() -> None:
@@ -442,3 +459,31 @@ def test_a_conversation_trace_where_little_could_hit_is_not_labelled_prefix() ->
         reasons[d.reason] += 1
     assert reasons["prefix"] + reasons["spill"] == 75  # the follow-ups, and only they
     assert reasons["ttft"] >= 500
+
+
+# -- decode load in KV terms, and spreading a hot prefix ------------------------------------
+
+
+def test_kv_load_weighs_what_the_requests_in_flight_hold_not_their_count() -> None:
+    ws = workers(2)
+    ws[0].in_flight, ws[0].active_tokens = 10, 10 * 60  # ten one-line questions
+    ws[1].in_flight, ws[1].active_tokens = 2, 2 * 32_000  # two 32k-token conversations
+    assert Policy.named("least-loaded").decide(req(), ws).worker == "w1"  # counts requests
+    d = Policy.named("kvpool").decide(req(), ws)
+    assert (d.worker, d.reason) == ("w0", "kv-load")
+    rows = {c.worker: c for c in d.candidates}
+    assert rows["w1"].active_tokens == 64_000 and rows["w1"].scores["kv-load"] < 0.01
+
+
+def test_a_hot_prefix_is_copied_while_fewer_workers_hold_it_than_its_share_calls_for() -> None:
+    ws = workers(4)
+    hot = dict(w0=125)  # one holder of a 125-block system prompt, all the others idle
+    d = Policy.named("kvpool").decide(req(2400, **hot, spread_wanted=4, spread_depth=100), ws)
+    assert d.worker != "w0" and d.reason == "spread"
+    # once enough hold it, the holders win again
+    held = dict(w0=125, w1=125, w2=125, w3=125)
+    d = Policy.named("kvpool").decide(req(2400, **held, spread_wanted=4, spread_depth=100), ws)
+    assert d.reason != "spread"
+    # a prefix its traffic does not call for more copies of stays where it is
+    d = Policy.named("kvpool").decide(req(2400, **hot, spread_wanted=1, spread_depth=100), ws)
+    assert (d.worker, d.reason) == ("w0", "prefix")

@@ -1,0 +1,81 @@
+"""How hot each shared prefix is: its share of the pool's recent requests.
+
+A prefix that a large share of the traffic starts with (one system prompt for every
+request, a popular document) is best held by as many workers as that share of the load
+calls for: on a few holders, their decode batches fill while the other workers idle,
+however short their prefill queues look. The load is the pool's requests in flight; the
+prefix's share of them, two to a holder, says how many holders it needs. The policy's
+``spread`` scorer asks for a new copy when a prompt's deepest shared prefix has fewer
+holders than that (:meth:`PrefixHeat.wanted`); the queue-driven spill stays as it was.
+
+A prefix is named by the key of its last block (a block key names its whole chain). Counts
+decay exponentially (``half_life_s``), so a share follows the traffic of the last tens of
+seconds; at most ``capacity`` prefixes are remembered, the least recently seen forgotten
+first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+__all__ = ["PrefixHeat"]
+
+
+class PrefixHeat:
+    """Decayed request counts per prefix and in all (one writer: the router's loop)."""
+
+    def __init__(
+        self,
+        half_life_s: float = 10.0,
+        capacity: int = 4096,
+        min_requests: float = 4.0,
+        per_holder: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if half_life_s <= 0 or capacity < 1:
+            raise ValueError("half_life_s must be positive and capacity at least 1")
+        self._rate = math.log(2) / half_life_s
+        self.capacity = capacity
+        self.min_requests = min_requests  # a prefix seen fewer times is not judged hot
+        self.per_holder = per_holder  # its requests in flight each holder should carry
+        self._clock = clock
+        self._counts: OrderedDict[int, tuple[float, float]] = OrderedDict()  # key: (n, t)
+        self._total = (0.0, clock())
+
+    def _decayed(self, value: tuple[float, float], now: float) -> float:
+        n, t = value
+        return n * math.exp(-self._rate * (now - t))
+
+    def observe(self, key: int | None) -> None:
+        """One request whose deepest shared prefix is ``key`` (None: it shares none)."""
+        now = self._clock()
+        if key is not None:
+            counts = self._counts
+            old = counts.pop(key, None)
+            counts[key] = (1.0 + (self._decayed(old, now) if old else 0.0), now)
+            if len(counts) > self.capacity:
+                counts.popitem(last=False)
+        self._total = (1.0 + self._decayed(self._total, now), now)
+
+    def share(self, key: int) -> float:
+        """The prefix's share of the recent requests (0 when seen too rarely to say)."""
+        value = self._counts.get(key)
+        if value is None:
+            return 0.0
+        now = self._clock()
+        n = self._decayed(value, now)
+        if n < self.min_requests:
+            return 0.0
+        total = self._decayed(self._total, now)
+        return min(n / total, 1.0) if total > 0 else 0.0
+
+    def wanted(self, key: int, workers: int, in_flight: int) -> int:
+        """How many of ``workers`` should hold the prefix: its share of the requests in
+        flight over the pool (``in_flight``), ``per_holder`` of them on each holder; at
+        least one, at most all. One request at a time needs one holder, however much of the
+        traffic shares the prefix; a busy pool, as many as its share of the load."""
+        need = math.ceil(self.share(key) * in_flight / self.per_holder - 1e-9)
+        return min(max(1, need), max(1, workers))

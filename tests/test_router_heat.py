@@ -1,0 +1,88 @@
+"""A hot prefix is copied to as many workers as its share of the traffic calls for
+(router/heat.py and the policy's ``spread`` scorer)."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpool.router.heat import PrefixHeat
+
+from recording_worker import RecordingWorker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_prefix_share_of_the_traffic_decays_and_names_how_many_should_hold_it() -> None:
+    clock = Clock()
+    heat = PrefixHeat(half_life_s=10.0, min_requests=4, clock=clock)
+    for _ in range(8):
+        heat.observe(1)
+    for _ in range(8):
+        heat.observe(None)  # requests sharing nothing count in the total
+    assert heat.share(1) == pytest.approx(0.5)
+    assert heat.wanted(1, 8, in_flight=16) == 4  # half of 16 in flight, two to a holder
+    assert heat.wanted(1, 8, in_flight=1) == 1  # one at a time: one holder does
+    assert heat.wanted(1, 8, in_flight=100) == 8  # never more than the pool
+    heat.observe(2)
+    assert heat.share(2) == 0.0 and heat.wanted(2, 8, 100) == 1  # too rare to call hot
+    clock.now = 10.0  # a half-life later, a burst of another prefix
+    for _ in range(17):
+        heat.observe(3)
+    assert heat.share(1) == pytest.approx(4 / (8.5 + 17), rel=0.01)
+    assert heat.wanted(3, 8, in_flight=16) == 6
+
+
+def test_heat_remembers_a_bounded_number_of_prefixes() -> None:
+    heat = PrefixHeat(capacity=3, min_requests=1, clock=Clock())
+    for key in range(5):
+        heat.observe(key)
+    assert [heat.share(k) > 0 for k in range(5)] == [False, False, True, True, True]
+
+
+def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_router: Any) -> None:
+    """Sent to idle workers, every request would go to the first holder of the system
+    prompt (its TTFT is the shortest); with requests in flight together, its share of
+    them asks for a copy on each worker, made once it has been seen a few times. One at a
+    time, one holder is enough. Dry runs do not count."""
+    fakes = [RecordingWorker() for _ in range(4)]
+    try:
+        router = start_router(worker=[f.spec(f"w{i}") for i, f in enumerate(fakes)])
+        router.wait_workers_up(4)
+        system = "you are a careful assistant who answers in full sentences " * 20
+
+        def send() -> str:
+            body = {"model": "tiny", "prompt": system + uuid.uuid4().hex, "max_tokens": 1}
+            resp = httpx.post(router.url + "/v1/completions", json=body, timeout=10)
+            assert resp.status_code == 200, resp.text
+            return resp.headers["x-kvpool-worker"]
+
+        first = [send() for _ in range(3)]
+        assert len(set(first)) == 1  # not hot yet: the holder is the quickest
+        for _ in range(20):  # /debug/route plans without routing: no heat
+            router.route({"prompt": system + "?"})
+        first.append(send())  # seen three times, still under the four that make it hot
+        first += [send() for _ in range(8)]  # hot now, but one at a time: one holder does
+        assert len(set(first)) == 1
+        for f in fakes:  # each answer now takes half a second: requests overlap
+            f.mode, f.tokens, f.token_interval = "slow", 10, 0.05
+        served = set(first)
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(3):
+                served |= set(pool.map(lambda _: send(), range(8)))
+        assert served == {"w0", "w1", "w2", "w3"}
+        decisions = httpx.get(router.url + "/metrics", timeout=10).text
+        assert 'reason="spread"' in decisions
+    finally:
+        for f in fakes:
+            f.stop()
