@@ -26,8 +26,10 @@ tokens and judges them:
     it stores.
 
 A flagged worker gets no cache credit until the window agrees again (``clear_at``); a
-worker that reports no ``cached_tokens`` (vLLM without ``--enable-prompt-tokens-details``)
-is not judged at all. Pure: the gateway feeds it and reads it.
+worker that has never reported ``cached_tokens`` (vLLM without
+``--enable-prompt-tokens-details``) is not judged at all, and once one has, an answer
+without them reports none (vLLM leaves the details out when nothing was cached). Pure:
+the gateway feeds it and reads it.
 """
 
 from __future__ import annotations
@@ -77,16 +79,17 @@ class AgreementConfig:
 class _Answer:
     predicted: int
     reported: int
-    #: the worker's index counters when it came: blocks speculated there, and how many of
-    #: them its events stored (None: it publishes no events)
+    #: the worker's index counters when it came: blocks speculated there, how many of them
+    #: its events stored, and the blocks its events stored in all (None: no events)
     speculated: int | None
     confirmed: int | None
+    stored: int | None
 
 
 class CacheAgreement:
     """One worker's recent predictions and reports, and the verdict on them."""
 
-    __slots__ = ("_answers", "block_size", "cause", "config", "flagged", "worker")
+    __slots__ = ("_answers", "block_size", "cause", "config", "flagged", "reports", "worker")
 
     def __init__(self, worker: str, block_size: int, config: AgreementConfig) -> None:
         self.worker = worker
@@ -95,18 +98,30 @@ class CacheAgreement:
         self._answers: deque[_Answer] = deque(maxlen=config.window)
         self.flagged = False
         self.cause: str | None = None  # unseen or over-predicted, while flagged
+        #: it has reported cached tokens at least once: from then on an answer without
+        #: them reports none (vLLM leaves ``prompt_tokens_details`` out when it is 0)
+        self.reports = False
 
     def observe(
         self,
         predicted: int,
-        reported: int,
-        events: tuple[int, int] | None = None,
+        reported: int | None,
+        events: tuple[int, int, int] | None = None,
     ) -> bool:
-        """One answer: ``predicted`` cached tokens, ``reported`` by the worker, and
-        ``events`` the index's (speculated, confirmed) block counters of the worker (None
-        when it publishes no events). Returns whether the verdict changed."""
-        speculated, confirmed = events if events is not None else (None, None)
-        self._answers.append(_Answer(max(predicted, 0), max(reported, 0), speculated, confirmed))
+        """One answer: ``predicted`` cached tokens, ``reported`` by the worker (None: its
+        usage names none), and ``events`` the index's (speculated, confirmed, stored)
+        block counters of the worker (None when it publishes no events). Returns whether
+        the verdict changed. A worker that has never reported cached tokens is not judged
+        (vLLM without ``--enable-prompt-tokens-details``)."""
+        if reported is None:
+            if not self.reports:
+                return False
+            reported = 0
+        self.reports = True
+        speculated, confirmed, stored = events if events is not None else (None, None, None)
+        self._answers.append(
+            _Answer(max(predicted, 0), max(reported, 0), speculated, confirmed, stored)
+        )
         return self._judge()
 
     def restarted(self) -> None:
@@ -139,20 +154,28 @@ class CacheAgreement:
         claimed = sum(max(a.predicted, a.reported) for a in claims)
         return len(claims) >= cfg.min_answers and claimed >= cfg.min_blocks * self.block_size
 
-    def _events_delta(self) -> tuple[int, int]:
-        """Blocks speculated on the worker over the window, and those its events confirmed
-        (negative: the index forgot the worker meanwhile; 0, 0 without events)."""
+    def _events_delta(self) -> tuple[int, int, int]:
+        """Over the window: blocks speculated on the worker, those its events confirmed,
+        and the blocks its events stored (negative: the index forgot the worker meanwhile;
+        zeros without events)."""
         first, last = self._answers[0], self._answers[-1]
         if first.speculated is None or last.speculated is None:
-            return 0, 0
+            return 0, 0, 0
         assert first.confirmed is not None and last.confirmed is not None
-        return last.speculated - first.speculated, last.confirmed - first.confirmed
+        assert first.stored is not None and last.stored is not None
+        return (
+            last.speculated - first.speculated,
+            last.confirmed - first.confirmed,
+            last.stored - first.stored,
+        )
 
     def _unmatched_events(self) -> bool:
-        """Whether the router speculated blocks on the worker over the window and its
-        events confirmed almost none of them."""
-        sent, confirmed = self._events_delta()
-        return sent >= self.config.min_blocks and 0 <= confirmed * 20 < sent
+        """Whether, over the window, the worker's events stored blocks, the router
+        speculated blocks there, and the events confirmed almost none of those. (Events
+        that stop coming are a stream to mend, not another hash: no verdict.)"""
+        sent, confirmed, stored = self._events_delta()
+        enough = self.config.min_blocks
+        return sent >= enough and stored >= enough and 0 <= confirmed * 20 < sent
 
     def _judge(self) -> bool:
         if not self._evidence():
@@ -182,7 +205,7 @@ class CacheAgreement:
             return False
         self.flagged, self.cause = True, cause
         if cause == "unseen":
-            sent, confirmed = self._events_delta()
+            sent, confirmed, _ = self._events_delta()
             evidence = (
                 f"its KV events confirmed {confirmed} of the {sent} blocks the router sent it, "
                 f"while it reported {r} cached tokens"

@@ -213,15 +213,14 @@ class IndexFeed:
             return 0
         return sum(self.index.num_blocks(iid) for iid in self._index_ids(state))
 
-    def confirmations(self, state: WorkerState) -> tuple[int, int]:
-        """(stored, confirmed) over the worker's ranks: see :meth:`BlockIndex.confirmations`."""
-        stored = confirmed = 0
+    def confirmations(self, state: WorkerState) -> tuple[int, int, int]:
+        """Summed over the worker's ranks: see :meth:`BlockIndex.confirmations`."""
+        total = [0, 0, 0]
         for index_id in self._index_ids(state):
             if index_id in self.index:
-                s, c = self.index.confirmations(index_id)
-                stored += s
-                confirmed += c
-        return stored, confirmed
+                for i, n in enumerate(self.index.confirmations(index_id)):
+                    total[i] += n
+        return total[0], total[1], total[2]
 
     def ranks(self, worker_id: str) -> list[int]:
         """The data-parallel ranks indexed for the worker (0 stands for its plain id)."""

@@ -594,8 +594,8 @@ class Forwarder:
             # A worker that does not report cached tokens (vLLM without
             # --enable-prompt-tokens-details) served none from cache as far as we know.
             metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            self.pool.check_cache(state, predicted, cached)
+        valid = isinstance(cached, int) and not isinstance(cached, bool)
+        self.pool.check_cache(state, predicted, cached if valid else None)
 
 
 def prefill_body(request: dict[str, Any]) -> bytes:

@@ -3,12 +3,14 @@
 A prefix that a large share of the traffic starts with (one system prompt for every
 request, a popular document) is best held by as many workers as that share of the load
 calls for: on a few holders, their decode batches fill while the other workers idle,
-however short their prefill queues look. The load is the pool's requests in flight; the
-prefix's share of them, two to a holder, says how many holders it needs. The policy's
+however short their prefill queues look. Its share of the workers, but no more than its
+share of the requests in flight two to a holder, says how many holders it needs. The policy's
 ``spread`` scorer asks for a new copy when a prompt's deepest shared prefix has fewer
 holders than that (:meth:`PrefixHeat.wanted`); the queue-driven spill stays as it was.
 
-A prefix is named by the key of its last block (a block key names its whole chain). Counts
+A prefix is named by the key of its last block (a block key names its whole chain): the
+router names a prompt's at a power of two of blocks, at most four fifths of its deepest
+match, so that what follows a shared system prompt does not split its heat. Counts
 decay exponentially (``half_life_s``), so a share follows the traffic of the last tens of
 seconds; at most ``capacity`` prefixes are remembered, the least recently seen forgotten
 first.
@@ -73,9 +75,12 @@ class PrefixHeat:
         return min(n / total, 1.0) if total > 0 else 0.0
 
     def wanted(self, key: int, workers: int, in_flight: int) -> int:
-        """How many of ``workers`` should hold the prefix: its share of the requests in
-        flight over the pool (``in_flight``), ``per_holder`` of them on each holder; at
-        least one, at most all. One request at a time needs one holder, however much of the
-        traffic shares the prefix; a busy pool, as many as its share of the load."""
-        need = math.ceil(self.share(key) * in_flight / self.per_holder - 1e-9)
-        return min(max(1, need), max(1, workers))
+        """How many of ``workers`` should hold the prefix: its share of them, but no more
+        than its share of the requests in flight over the pool (``in_flight``) at
+        ``per_holder`` a holder; at least one. One request at a time needs one holder,
+        however much of the traffic shares the prefix; a prefix a thirty-second of the
+        traffic shares needs one of eight workers, however busy the pool."""
+        share = self.share(key)
+        by_load = math.ceil(share * in_flight / self.per_holder - 1e-9)
+        by_share = math.ceil(share * workers - 1e-9)
+        return max(1, min(by_load, by_share))

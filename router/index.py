@@ -80,7 +80,7 @@ def _on_gpu(medium: str | None) -> bool:
 
 
 #: speculative keys a tracked worker remembers after they expire unconfirmed (see _Worker)
-_LATE_KEYS = 1024
+_LATE_KEYS = 2048
 
 
 class _Worker:
@@ -95,6 +95,7 @@ class _Worker:
         "queued",
         "spec",
         "speculated",
+        "stored",
         "tracked",
         "ttl",
     )
@@ -108,12 +109,15 @@ class _Worker:
         self.ttl = ttl
         self.capacity = capacity  # None: speculative entries bounded by their TTL alone
         self.count = 0  # confirmed blocks held (the log also has dead and repeated keys)
-        # blocks speculated here since it was added, and how many of them its events then
-        # stored (confirmed): with equal hashing, nearly all; with another hash seed, none.
-        # ``late``: the last speculative keys that expired unconfirmed (a long queue), so a
-        # store that comes after its guess ran out still counts as confirming it
+        # blocks speculated here since it was added, how many of them its events then
+        # stored (confirmed: with equal hashing, nearly all; with another hash seed, none),
+        # and the blocks its events stored in all. ``late``: the last speculative keys that
+        # expired unconfirmed, so that a store after a long queue still confirms its guess,
+        # and a guess made again (a prefix the worker holds from before the index knew it:
+        # a hit stores nothing) is not counted again
         self.speculated = 0
         self.confirmed = 0
+        self.stored = 0
         self.late: dict[int, None] = {}
         self.log = array("Q")
         self.queued = False  # waiting for, or under, compaction
@@ -296,6 +300,7 @@ class BlockIndex:
                 w.count += added
                 w.confirmed += confirmed
                 self._entries += added
+        w.stored += added
         if added:
             if not w.queued and len(w.log) > 2 * w.count + self._compact_slack:
                 w.queued = True
@@ -377,7 +382,8 @@ class BlockIndex:
                 continue  # confirmed
             added.append(h)
             spec[h] = expiry
-        w.speculated += len(added)
+        late = w.late
+        w.speculated += len(added) - (sum(1 for h in added if h in late) if late else 0)
         if w.capacity is not None:
             while len(spec) > w.capacity:
                 self._unset_bit(spec.popitem(last=False)[0], bit)
@@ -404,6 +410,8 @@ class BlockIndex:
             if h in spec:
                 del spec[h]
                 self._unset_bit(h, bit)
+                if h not in w.late:
+                    w.speculated -= 1  # never sent after all
 
     # ---- deferred work ----
 
@@ -468,12 +476,14 @@ class BlockIndex:
         """Confirmed blocks the worker holds."""
         return self._get(worker_id).count
 
-    def confirmations(self, worker_id: str) -> tuple[int, int]:
-        """(speculated, confirmed): blocks speculated on the worker since it was added (the
-        router sent it their prompt), and those of them its events then stored. A worker
-        that hashes as the router does confirms nearly all; one that does not, none."""
+    def confirmations(self, worker_id: str) -> tuple[int, int, int]:
+        """(speculated, confirmed, stored): blocks speculated on the worker since it was
+        added (the router sent it their prompt; a guess made again after it ran out is not
+        counted twice), those of them its events then stored, and the blocks its events
+        stored in all. A worker that hashes as the router does confirms nearly all it
+        computes; one that does not, none, while it stores blocks all the same."""
         w = self._get(worker_id)
-        return w.speculated, w.confirmed
+        return w.speculated, w.confirmed, w.stored
 
     def num_speculative(self, worker_id: str) -> int:
         """Unexpired speculative blocks of the worker (never counting a confirmed one)."""

@@ -153,6 +153,8 @@ def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
         events["resyncs"][s.id] = stats.resyncs if stats else 0
         events["mismatches"][s.id] = s.mismatches
         events["cache_flags"][s.id] = s.cache_flags
+        check = s.agreement
+        events["cache_flagged"][s.id] = FLAG_CODES[check.cause] if check and check.flagged else 0
     return Rows(
         in_flight={s.id: s.in_flight for s in workers},
         queued={s.id: s.queued_tokens(now) for s in workers},
@@ -163,7 +165,11 @@ def own_rows(workers: list[WorkerState], depth: dict[str, int]) -> Rows:
 
 
 #: the per-worker counters every process keeps of the same event stream
-EVENT_FAMILIES = ("events", "gaps", "resyncs", "mismatches", "cache_flags")
+EVENT_FAMILIES = ("events", "gaps", "resyncs", "mismatches", "cache_flags", "cache_flagged")
+#: a flagged worker's cause as a number, so that the processes' verdicts merge by the
+#: highest (any process that flags a worker shows it flagged on every process's page)
+FLAG_CODES = {"over-predicted": 1, "unseen": 2}
+FLAG_CAUSES = {code: cause for cause, code in FLAG_CODES.items()}
 
 
 def _added(rows: Rows, others: list[Rows]) -> Rows:
@@ -289,13 +295,15 @@ class _PoolCollector(Collector):
             families["rate"].add_metric(w, s.prefill.rate)
             check = s.agreement
             if check is not None:
+                code = rows.events["cache_flagged"].get(s.id, 0)
                 families["cache_flagged"].add_metric(
-                    [s.id, check.cause or ""], 1.0 if check.flagged else 0.0
+                    [s.id, FLAG_CAUSES.get(code, "")], min(code, 1)
                 )
                 if (ratio := check.ratio) is not None:
                     families["cache_agreement"].add_metric(w, ratio)
             for family in EVENT_FAMILIES:
-                families[family].add_metric(w, rows.events[family].get(s.id, 0))
+                if family != "cache_flagged":
+                    families[family].add_metric(w, rows.events[family].get(s.id, 0))
             for reason, count in rows.decisions.get(s.id, {}).items():
                 families["decisions"].add_metric([s.id, reason], count)
         yield from families.values()

@@ -536,6 +536,8 @@ class Policy:
         mine = rows[chosen.id]
         others = [rows[w.id] for w in alive if w.id != chosen.id]
         runner = max(others, key=lambda c: c.total if c.total is not None else -math.inf)
+        if (mine.total or 0.0) - (runner.total or 0.0) <= 1e-9:
+            return "tie"  # however the scores split it, the totals were equal
         best, margin = "tie", 1e-9
         for name, _, weight in self._scorers:
             lead = weight * (mine.scores.get(name, 0.0) - runner.scores.get(name, 0.0))

@@ -541,7 +541,7 @@ class WorkerPool:
             return ev.endpoint, ev.replay_endpoint, ev.topic
         return None
 
-    def check_cache(self, state: WorkerState, predicted: int, reported: int) -> None:
+    def check_cache(self, state: WorkerState, predicted: int, reported: int | None) -> None:
         """An answer's ``reported`` cached prompt tokens against the ``predicted``: see
         :mod:`.agreement`. A verdict that changes counts in ``kvpool_router_worker_cache_flags``."""
         check = state.agreement

@@ -615,10 +615,11 @@ class Router(AdminEndpoints):
         matched = pool.feed.match(routed.keys)
         routed.ranks = {w: r for w, (_, r) in matched.items() if r is not None}
         blocks = {w: b for w, (b, _) in matched.items()}
-        # The prefix is named at four fifths of the deepest match: the blocks after it
-        # (where a question starts) differ from request to request, and would split one
-        # system prompt's heat over many names.
-        depth = max(blocks.values(), default=0) * 4 // 5
+        # The prefix is named at a power of two of blocks, at most four fifths of the
+        # deepest match: the blocks after it (where a question starts) differ from request
+        # to request, and would split one system prompt's heat over many names.
+        most = max(blocks.values(), default=0) * 4 // 5
+        depth = 1 << (most.bit_length() - 1) if most else 0
         key = routed.keys[depth - 1] if depth >= SPREAD_MIN_BLOCKS else None
         if observe and not routed.heat_seen:
             routed.heat_seen = True

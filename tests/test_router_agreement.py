@@ -71,18 +71,24 @@ def test_no_verdict_without_evidence_and_none_for_noise() -> None:
 
 
 def test_hits_the_index_did_not_predict_flag_a_worker_only_if_its_events_match_nothing() -> None:
-    # An index that is behind (the router restarted; the worker still holds its hot
-    # prefix): more hits than predicted, but the worker's events confirm what is sent.
-    behind = check()
-    for i in range(16):
-        behind.observe(0, 128, events=(8 * (i + 1), 8 * (i + 1)))
-    assert not behind.flagged
-    # Another hash seed: the same reports, and none of the blocks sent is ever confirmed,
-    # even while speculation makes the router predict what the worker does hold.
+    # Another hash seed: the worker reports hits, its events store blocks, and none of the
+    # blocks sent is ever confirmed, even while speculation makes the router predict what
+    # the worker does hold.
     seed = check()
     for i in range(6):
-        seed.observe(128, 128, events=(8 * (i + 1), 0))
+        seed.observe(128, 128, events=(8 * (i + 1), 0, 8 * (i + 1)))
     assert seed.flagged and seed.cause == "unseen"
+    # An index that is behind (the router restarted; the worker holds a hot prefix from
+    # before, whose hits store nothing): the new blocks each request computes confirm.
+    behind = check()
+    for i in range(16):
+        behind.observe(0, 128, events=(10 * (i + 1), 2 * (i + 1), 2 * (i + 1)))
+    assert not behind.flagged
+    # Events that stopped coming (a wrong port, a network policy): no word on hashing.
+    silent = check()
+    for i in range(16):
+        silent.observe(0, 128, events=(8 * (i + 1), 0, 0))
+    assert not silent.flagged
     # A worker without events is never judged by them.
     untracked = check()
     for _ in range(16):
@@ -90,15 +96,30 @@ def test_hits_the_index_did_not_predict_flag_a_worker_only_if_its_events_match_n
     assert not untracked.flagged
 
 
+def test_an_answer_without_cached_tokens_counts_as_none_once_the_worker_has_reported_any() -> None:
+    # vLLM without --enable-prompt-tokens-details: never a word, never judged
+    quiet = check()
+    for _ in range(16):
+        quiet.observe(128, None)
+    assert not quiet.flagged and quiet.summary()["answers"] == 0
+    # vLLM with it leaves the details out when nothing was cached: a miss, counted
+    c = check()
+    c.observe(128, 128)
+    for _ in range(15):
+        c.observe(128, None)
+    assert c.flagged and c.cause == "over-predicted"
+
+
 def test_a_restart_drops_the_evidence_but_keeps_the_flag_until_the_new_process_agrees() -> None:
     c = check()
     for i in range(6):
-        c.observe(128, 128, events=(8 * (i + 1), 0))
+        c.observe(128, 128, events=(8 * (i + 1), 0, 8 * (i + 1)))
     assert c.flagged
     c.restarted()
     assert c.flagged and c.summary()["answers"] == 0
     for i in range(6):
-        c.observe(128, 128, events=(100 + 8 * (i + 1), 8 * (i + 1)))
+        n = 100 + 8 * (i + 1)
+        c.observe(128, 128, events=(n, 8 * (i + 1), n))
     assert not c.flagged
 
 
@@ -112,9 +133,16 @@ def test_the_index_counts_speculated_blocks_its_events_confirm_even_late() -> No
     index.match([9])  # block 3's guess expires unconfirmed
     index.store("w", [3])  # its store comes after a long queue: still a confirmation
     index.store("w", [40, 41])  # blocks the router never sent there
-    assert index.confirmations("w") == (3, 3)
+    assert index.confirmations("w") == (3, 3, 5)
     index.speculate("w", [50, 51])
-    assert index.confirmations("w") == (5, 3)
+    assert index.confirmations("w") == (5, 3, 5)
+    # a guess that ran out and is made again (a prefix the worker holds, whose hits store
+    # nothing) counts once; one withdrawn (the request never reached it) not at all
+    now[0] = 10.0
+    index.speculate("w", [50, 51, 52])
+    assert index.confirmations("w") == (6, 3, 5)
+    index.withdraw("w", [52])
+    assert index.confirmations("w") == (5, 3, 5)
 
 
 # -- end to end -------------------------------------------------------------------------------
