@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .index import BlockIndex
     from .metrics import RouterMetrics
     from .peers import PeerLink
-    from .policy import Plan
+    from .policy import Plan, RouteRequest
     from .pool import WorkerPool
     from .processes import ProcessSlot
 
@@ -47,6 +47,7 @@ class AdminEndpoints:
             self, request: Request, body: bytes, kind: Kind, *, check_model: bool
         ) -> Routed: ...
         def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan: ...
+        def _route_request(self, routed: Routed, *, observe: bool = True) -> RouteRequest: ...
 
     async def health(self, request: Request) -> JSONResponse:
         if self.draining:
@@ -92,6 +93,10 @@ class AdminEndpoints:
         )
         routed = await self._parse(request, body, kind, check_model=False)
         answer = route_answer(routed, self._plan(routed, dry_run=True))
+        # the spread score's grounds: how many workers the prompt's hottest shared prefix
+        # should be on (its share of the traffic), and how many of its blocks make a holder
+        req = self._route_request(routed, observe=False)
+        answer["spread"] = {"wanted_holders": req.spread_wanted, "depth_blocks": req.spread_depth}
         answer["process"] = self.slot.index  # which of --processes N answered
         return JSONResponse(answer)
 

@@ -83,6 +83,9 @@ def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_route
             for _ in range(3):
                 served |= set(pool.map(lambda _: send(), range(8)))
         assert served == {"w0", "w1", "w2", "w3"}
+        # /debug/route says how many holders the prefix wants, and what makes one
+        spread = router.route({"prompt": system + "?"})["spread"]
+        assert spread["wanted_holders"] >= 1 and spread["depth_blocks"] == 32
         decisions = httpx.get(router.url + "/metrics", timeout=10).text
         assert 'reason="spread"' in decisions
     finally:
