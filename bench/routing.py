@@ -50,6 +50,15 @@ n tokens, and every workload is deterministic. Arrivals are Poisson at the rate 
   follows: 193 / rate seconds).
 * ``one-system-prompt``: every request starts with the same 2,000-token system prompt,
   then a user part of 100-800 tokens, one in ten a long document of 2,000-4,000.
+* ``agentic``: agent sessions sharing a 1,500-token system prompt with tool schemas, each
+  a task (1,000-3,000 tokens) then 4-10 steps appending the last action and a tool result
+  (50-400 tokens) to one growing context; three steps in ten, after the first, are a burst
+  of 2-4 requests on that context sent together (:func:`agentic`). Every request of a
+  session carries its ``x-session-id``.
+
+Beside every hit ratio, its share of the bound: the most any router could hit on the same
+requests, offline (:func:`hit_bounds`: one cache of the fleet's capacity with optimal
+eviction, and an unlimited one).
 
 Reported per workload x policy x rate: the token-weighted prefix hit ratio measured at the
 workers (``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``, deltas over the

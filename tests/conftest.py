@@ -362,6 +362,20 @@ def start_worker(
 # -- the router ------------------------------------------------------------------------------
 
 
+#: ports this test process has handed out: a port the kernel frees when free_port closes
+#: its socket can come back from the next bind(0), before the first taker has bound it (two
+#: workers of one test were once given the same port)
+_GIVEN_PORTS: set[int] = set()
+
+
+def unique_port() -> int:
+    """A free loopback port this process has not handed out before."""
+    while (port := free_port()) in _GIVEN_PORTS:
+        pass
+    _GIVEN_PORTS.add(port)
+    return port
+
+
 class WorkerProcess:
     """A ``kvpool worker serve`` process (the simulated engine by default): a worker the test
     can kill like a crashed pod. ``log``: a file for its output, shown if it fails to start."""
@@ -374,10 +388,10 @@ class WorkerProcess:
         import sys
 
         self.log = log
-        self.port = free_port()
+        self.port = unique_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.events = f"tcp://127.0.0.1:{free_port()}"
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
+        self.events = f"tcp://127.0.0.1:{unique_port()}"
+        self.replay = f"tcp://127.0.0.1:{unique_port()}"
         flags.setdefault("num_blocks", 2048)
         flags.setdefault("kv_events_endpoint", self.events)
         flags.setdefault("kv_events_replay_endpoint", self.replay)
@@ -492,7 +506,7 @@ class RouterProcesses(RunningRouter):
         import tempfile
 
         self.values = values
-        port = free_port()
+        port = unique_port()
         argv = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
         argv += ["router", "serve", "--port", str(port)]
         for name, value in values.items():
