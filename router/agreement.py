@@ -143,16 +143,17 @@ class CacheAgreement:
 
     @property
     def ratio(self) -> float | None:
-        """Agreed tokens over claimed ones in the window; None before any claim."""
-        agreed = sum(min(a.predicted, a.reported) for a in self._answers)
-        claimed = sum(max(a.predicted, a.reported) for a in self._answers)
+        """Agreed tokens over claimed ones in the window; None before any claim (an
+        answer claims ``max(predicted, reported)``: ``p + r - agreed`` in all)."""
+        p, r, agreed = self.totals()
+        claimed = p + r - agreed
         return agreed / claimed if claimed else None
 
     def _evidence(self) -> bool:
         cfg = self.config
-        claims = [a for a in self._answers if a.predicted or a.reported]
-        claimed = sum(max(a.predicted, a.reported) for a in claims)
-        return len(claims) >= cfg.min_answers and claimed >= cfg.min_blocks * self.block_size
+        claims = sum(1 for a in self._answers if a.predicted or a.reported)
+        p, r, agreed = self.totals()
+        return claims >= cfg.min_answers and p + r - agreed >= cfg.min_blocks * self.block_size
 
     def _events_delta(self) -> tuple[int, int, int]:
         """Over the window: blocks speculated on the worker, those its events confirmed,

@@ -6,7 +6,7 @@ calls for: on a few holders, their decode batches fill while the other workers i
 however short their prefill queues look. Its share of the workers, but no more than its
 share of the requests in flight two to a holder, says how many holders it needs. The policy's
 ``spread`` scorer asks for a new copy when a prompt's deepest shared prefix has fewer
-holders than that (:meth:`PrefixHeat.wanted`); the queue-driven spill stays as it was.
+holders than that (:meth:`PrefixHeat.holders`); the queue-driven spill stays as it was.
 
 A prefix is named by the key of its last block (a block key names its whole chain): the
 router names a prompt's at a power of two of blocks, at most four fifths of its deepest
@@ -74,13 +74,13 @@ class PrefixHeat:
         total = self._decayed(self._total, now)
         return min(n / total, 1.0) if total > 0 else 0.0
 
-    def wanted(self, key: int, workers: int, in_flight: int) -> int:
-        """How many of ``workers`` should hold the prefix: its share of them, but no more
-        than its share of the requests in flight over the pool (``in_flight``) at
-        ``per_holder`` a holder; at least one. One request at a time needs one holder,
-        however much of the traffic shares the prefix; a prefix a thirty-second of the
-        traffic shares needs one of eight workers, however busy the pool."""
-        share = self.share(key)
+    def holders(self, share: float, workers: int, in_flight: int) -> int:
+        """How many of ``workers`` should hold a prefix with this ``share`` of the traffic
+        (:meth:`share`): its share of them, but no more than its share of the requests in
+        flight over the pool (``in_flight``) at ``per_holder`` a holder; at least one. One
+        request at a time needs one holder, however much of the traffic shares the prefix;
+        a prefix a thirty-second of the traffic shares needs one of eight workers, however
+        busy the pool."""
         by_load = math.ceil(share * in_flight / self.per_holder - 1e-9)
         by_share = math.ceil(share * workers - 1e-9)
         return max(1, min(by_load, by_share))

@@ -514,9 +514,11 @@ class Policy:
             return self.config.name  # a baseline's choice has one reason: its rule
         if len(alive) == 1:
             return "single"
-        cached = req.cached_tokens(chosen)
+        # each worker's cached tokens, as its explanation row already has them
+        cached = rows[chosen.id].cached_tokens
         best_anywhere = max(
-            (req.cached_tokens(w) for w in workers if w.healthy and not w.draining), default=0
+            (rows[w.id].cached_tokens for w in workers if w.healthy and not w.draining),
+            default=0,
         )
         if cached < best_anywhere:
             if req.affinity is not None and chosen.id == req.affinity:
@@ -524,7 +526,7 @@ class Policy:
             if rows[chosen.id].scores.get("spread", 0.0) > 0:
                 return "spread"  # a new copy of a hot prefix
             return "spill"  # a worker with more of the prefix was too busy
-        if any(req.cached_tokens(w) < cached for w in alive):
+        if any(rows[w.id].cached_tokens < cached for w in alive):
             return "prefix"
         return self._decider(chosen, alive, rows)
 

@@ -260,7 +260,6 @@ class WorkerPool:
                 window=cfg.cache_check_answers,
                 min_answers=min(8, cfg.cache_check_answers),
                 flag_below=cfg.cache_check_flag_below,
-                clear_at=0.6,
             )
             state.agreement = CacheAgreement(endpoint.id, cfg.block_size, check)
         self.workers[endpoint.id] = state

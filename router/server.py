@@ -642,7 +642,7 @@ class Router(AdminEndpoints):
         if share == 0.0:
             return 0
         busy = sum(s.in_flight + s.peer_in_flight for s in pool.workers.values())
-        return self.heat.wanted(key, len(pool.workers), busy + 1)  # this one too
+        return self.heat.holders(share, len(pool.workers), busy + 1)  # this one too
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
         return self.planner.plan(
