@@ -137,6 +137,7 @@ class Forwarder:
         self.upstream = upstream  # the rest: a split's clean-up
         self.decide = decide
         self.pin = pin
+        self._leader_blocks = settings.leader_blocks()
         self._background: set[asyncio.Future[None]] = set()  # fire-and-forget releases
 
     async def forward(
@@ -202,6 +203,8 @@ class Forwarder:
                     now,
                     shows_first_token=routed.stream,
                     kv_tokens=held,
+                    keys=routed.keys,
+                    credited_blocks=decision.cached_tokens // s.block_size,
                 )
             else:  # its prefill is pulled: it computes the tail, after the transfer
                 ticket = state.begin(
@@ -224,6 +227,8 @@ class Forwarder:
             )
             span_error: str | None = "cancelled"
             try:
+                if leg is None:
+                    await self._follow(state, ticket, limit)
                 extra = {DP_RANK_HEADER: str(t.rank)} if t.rank is not None else {}
                 with tracing.activated(span):
                     tracing.inject(extra)  # the worker's spans join this trace
@@ -300,6 +305,29 @@ class Forwarder:
             headers={"Retry-After": "1"} if last.status in (429, 503) else None,
         )
 
+    async def _follow(self, state: WorkerState, ticket: Ticket, limit: float) -> None:
+        """Hold a request back while a request routed before it to the same worker is
+        still prefilling prompt blocks they share (:meth:`~.load.WorkerLoad.leader`): then
+        it finds them cached instead of computing them a second time beside the first.
+        Its ticket is already counted there, so decisions made meanwhile see its load."""
+        min_blocks = self._leader_blocks
+        while min_blocks > 0:
+            found = state.leader(ticket, min_blocks, self.settings.block_size)
+            if found is None:
+                return
+            leader, until = found
+            start = time.monotonic()
+            wait = min(until, limit) - start
+            if wait <= 0:
+                return
+            try:
+                async with asyncio.timeout(wait):
+                    await leader.prefilled().wait()
+            except TimeoutError:
+                self.metrics.prefix_wait.labels("timeout").observe(time.monotonic() - start)
+                return
+            self.metrics.prefix_wait.labels("prefilled").observe(time.monotonic() - start)
+
     # -- the prefill leg of a split ---------------------------------------------------------
 
     async def _prefill(self, routed: Routed, first: Decision, deadline: float) -> DecodeLeg | None:
@@ -330,9 +358,12 @@ class Forwarder:
                 now,
                 shows_first_token=True,  # the leg's answer is its first token
                 kv_tokens=routed.num_tokens,
+                keys=routed.keys,
+                credited_blocks=decision.cached_tokens // s.block_size,
             )
             leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
             try:
+                await self._follow(state, ticket, leg_deadline)
                 answer = await self._prefill_leg(state, routed, body, leg_deadline)
                 state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
             except Failed as exc:

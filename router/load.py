@@ -7,7 +7,10 @@ Each worker's load, as the router sees it, is written here and nowhere else:
   the first token, or, for an answer that shows none, when they should have been done);
 * what the other router replicas report they sent it (their rows, summed);
 * its prefill rate (:class:`PrefillModel`), learned from every time to first token seen;
-* its time per output token, from streamed gaps and from its own ITL histogram.
+* its time per output token, from streamed gaps and from its own ITL histogram;
+* which of its requests are still prefilling, and the prompt blocks each brings
+  (:meth:`WorkerLoad.leader`): a request sharing many of them is better held back until
+  they are computed than sent to compute them a second time beside the first.
 
 The policy reads a snapshot of this (:class:`~kvpool.router.policy.WorkerView`); the
 pool owns the worker's membership, health and event streams; the data path claims and
@@ -16,8 +19,9 @@ releases load through :meth:`WorkerLoad.begin` and :meth:`WorkerLoad.end`.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,10 +85,49 @@ class Ticket:
     kv_tokens: int = 0
     first_token_seen: bool = False
     ended: bool = False
+    #: its prompt's block hashes, and how many of them it was credited as cached there
+    #: (the rest it computes itself): a follower sharing them waits for its prefill
+    keys: Sequence[int] = ()
+    credited_blocks: int = 0
+    shows_first_token: bool = False
+    #: set when its prefill is done (the first token) or it ended; made for a follower
+    _prefilled: asyncio.Event | None = None
+
+    def prefilled(self) -> asyncio.Event:
+        """Set once its first token is seen or it ends (made on the first ask)."""
+        if self._prefilled is None:
+            self._prefilled = asyncio.Event()
+            if self.first_token_seen or self.ended:
+                self._prefilled.set()
+        return self._prefilled
+
+    def _done_prefilling(self) -> None:
+        if self._prefilled is not None:
+            self._prefilled.set()
 
 
 #: weight of each new time-per-output-token reading in a worker's average
 ITL_WEIGHT = 0.1
+#: a follower waits for its leader's prefill up to this many times the leader's predicted
+#: time for the blocks they share
+LEADER_MARGIN = 1.5
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if a[n - 1] == b[n - 1]:  # chained hashes: the last equal means all equal
+        return n
+    lo, hi = 1, n - 1  # a[lo-1] == b[lo-1], a[hi] != b[hi]: chained, so bisect
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(kw_only=True)
@@ -141,12 +184,15 @@ class WorkerLoad:
         learn: bool = True,
         shows_first_token: bool = False,
         kv_tokens: int = 0,
+        keys: Sequence[int] = (),
+        credited_blocks: int = 0,
     ) -> Ticket:
         """``learn=False``: a decode leg, whose first token waits for a block transfer as
         well as for its prefill, so its TTFT would teach the prefill model wrong.
         ``shows_first_token``: the router will see its first token (a stream, a prefill
         leg's answer), so its tokens count as queued until then, however long the worker's
-        queue has grown."""
+        queue has grown. ``keys``: its prompt's block hashes, ``credited_blocks`` of them
+        cached there (a request still prefilling the rest leads those that share them)."""
         ticket = Ticket(
             tokens=tokens,
             # everything ahead of it there, the other replicas' too: its TTFT waits for
@@ -158,6 +204,9 @@ class WorkerLoad:
             expires_at=math.inf if shows_first_token else now + max(2 * predicted_ttft, 2.0),
             learn=learn,
             kv_tokens=kv_tokens,
+            keys=keys,
+            credited_blocks=credited_blocks,
+            shows_first_token=shows_first_token,
         )
         self.in_flight += 1
         self.active_tokens += kv_tokens
@@ -172,6 +221,7 @@ class WorkerLoad:
         ttft = now - ticket.routed_at
         if not ticket.first_token_seen:
             ticket.first_token_seen = True
+            ticket._done_prefilling()
             self._dequeue(ticket)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
@@ -205,10 +255,44 @@ class WorkerLoad:
     def end(self, ticket: Ticket) -> None:
         if not ticket.ended:
             ticket.ended = True
+            ticket._done_prefilling()
             self.in_flight -= 1
             self.active_tokens -= ticket.kv_tokens
             self._dequeue(ticket)
             self._load_changed()
+
+    def leader(
+        self, follower: Ticket, min_blocks: int, block_size: int
+    ) -> tuple[Ticket, float] | None:
+        """The request here still prefilling most of ``follower``'s prompt, and by when it
+        should have computed that much, or None when none computes ``min_blocks`` of it.
+
+        Sent now, the follower would be scheduled beside it and compute those blocks a
+        second time (an engine's prefix cache holds only blocks already computed), and
+        each of the two prefills would slow the other; held until the leader's first token,
+        it computes only its own tail. Only a request whose first token this router sees
+        leads (a stream or a prefill leg), and only one routed before the follower. The
+        time: the leader's predicted TTFT for its queue and the blocks they share, from
+        when it was routed, times :data:`LEADER_MARGIN` (a prediction that was wrong costs
+        the follower a bounded wait, not a hang)."""
+        keys = follower.keys
+        if not keys or min_blocks <= 0:
+            return None
+        best: Ticket | None = None
+        most = min_blocks - 1
+        for t in self.queued.values():
+            if t is follower or t.first_token_seen or not t.shows_first_token or not t.keys:
+                continue
+            if t.routed_at > follower.routed_at:
+                continue
+            shared = _common_prefix(t.keys, keys)
+            pending = shared - t.credited_blocks  # the shared blocks it computes itself
+            if pending > most:
+                best, most = t, pending
+        if best is None:
+            return None
+        work = best.queued_ahead + most * block_size  # ahead of it, then the shared blocks
+        return best, best.routed_at + LEADER_MARGIN * self.prefill.predict(work)
 
     def observe_itl(self, seconds: float) -> None:
         """One reading of the worker's time per output token: a streamed inter-chunk gap,

@@ -468,6 +468,17 @@ class RouterMetrics:
         )
         for band in BANDS:
             self.queue_wait.labels(band)
+        self.prefix_wait = Histogram(
+            "kvpool_router_prefix_wait_seconds",
+            "Time requests were held back for a request still prefilling the prompt blocks "
+            "they share on their worker (outcome: prefilled, or timeout when its first "
+            "token came later than predicted).",
+            ["outcome"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        for outcome in ("prefilled", "timeout"):
+            self.prefix_wait.labels(outcome)
         self.saturated = Counter(
             "kvpool_router_saturated",
             "Requests that found the pool saturated (every eligible worker over the TTFT "

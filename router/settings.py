@@ -55,6 +55,9 @@ class RouterSettings(BaseModel):
     session_ttl_s: float = Field(900.0, gt=0)
     session_capacity: int = Field(100_000, ge=1)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    # a request sharing at least this many prompt blocks with one still prefilling them on
+    # its worker waits for that prefill before it is sent (kvpool policy; 0: never waits)
+    prefix_wait_blocks: int = Field(4, ge=0)
     approx_ttl_s: float = Field(120.0, gt=0)
     approx_capacity_blocks: int = Field(50_000, ge=1)
     # prefill/decode split (the pool's disaggregation): when a request is prefilled on a
@@ -150,6 +153,10 @@ class RouterSettings(BaseModel):
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(PoolConfig)}
         secret = {k: v.get_secret_value() for k, v in values.items() if isinstance(v, SecretStr)}
         return PoolConfig(**{**values, **secret})
+
+    def leader_blocks(self) -> int:
+        """``prefix_wait_blocks``, for the kvpool policy (the baselines send at once)."""
+        return self.prefix_wait_blocks if self.policy == "kvpool" else 0
 
     def split_config(self) -> SplitConfig:
         return SplitConfig(mode=self.pd_mode, threshold_tokens=self.pd_threshold_tokens)
