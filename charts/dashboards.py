@@ -385,6 +385,27 @@ ROUTING = Dashboard(
                     width=8,
                 ),
                 Panel(
+                    "Held for a prefill",
+                    "Requests held back while a request routed before them to the same "
+                    "worker prefilled the prompt blocks they share, per second, by how the "
+                    "wait ended (its first token, or the bound).",
+                    [
+                        (
+                            rate("kvpool_router_prefix_wait_seconds_count", by="outcome"),
+                            "{{outcome}}",
+                        ),
+                    ],
+                    unit="reqps",
+                    width=12,
+                ),
+                Panel(
+                    "Prefill wait p90",
+                    "How long requests held for a prefill they share waited.",
+                    [(quantile("0.9", "kvpool_router_prefix_wait_seconds"), "p90")],
+                    unit="s",
+                    width=12,
+                ),
+                Panel(
                     "Tokens by tenant",
                     "Prompt and completion tokens served per second to each tenant, from "
                     "the answers' usage (anonymous when the router checks no keys).",

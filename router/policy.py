@@ -10,11 +10,12 @@ Every piece is small and named, so a decision can be explained worker by worker
 * the **picker** takes the highest total, breaking ties at random, or ignores the scores
   (round-robin, random) for the cache-blind baselines.
 
-The default policy, ``kvpool``, weighs two things: the predicted time to first token (the
-prompt tokens a worker still has to prefill before this request, its queue, plus this
+The default policy, ``kvpool``, weighs two things first: the predicted time to first token
+(the prompt tokens a worker still has to prefill before this request, its queue, plus this
 request's uncached tokens, over the worker's prefill rate learned from observed TTFTs, plus
-its fixed overhead; scored against the fastest worker's; weight 1) and the share of the
-prompt the worker holds (weight 0.5). The prediction alone is greedy for this one request:
+its fixed overhead), charged with the time it would spend computing again blocks another
+worker holds, scored against the cheapest worker's (weight 1); and the share of the prompt
+the worker holds (weight 0.5). The prediction alone is greedy for this one request:
 a holder with a little queue ties with an idle worker that must recompute the prefix, and
 sending it there costs the pool that recomputation and a second copy of the prefix in
 cache, which later requests of the group then split between. The cache share keeps a
@@ -261,13 +262,23 @@ def predicted_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) 
 
 
 def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
-    """The best predicted TTFT over each worker's: 1 for the fastest, 0.5 for twice as slow."""
+    """The best cost over each worker's: 1 for the cheapest, 0.5 for twice the cost. A
+    worker's cost is its predicted TTFT plus the time it would spend computing again the
+    prompt blocks another worker already holds (at its prefill rate): a spill copies a
+    prefix at the pool's expense, which later requests pay in queueing, and a long prefix
+    costs more than a short one. Among workers holding as much (nothing, say), it is the
+    predicted TTFT alone."""
     known = req._ttft
-    ttft = {
-        w.id: t if (t := known.get(w.id)) is not None else predicted_ttft(req, w) for w in workers
-    }
-    best = min(ttft.values())
-    return {k: best / v if v > 0 else 1.0 for k, v in ttft.items()}
+    cached = {w.id: req.cached_tokens(w) for w in workers}
+    most = max(cached.values())
+    cost = {}
+    for w in workers:
+        ttft = known.get(w.id)
+        if ttft is None:
+            ttft = predicted_ttft(req, w, cached[w.id])
+        cost[w.id] = ttft + (most - cached[w.id]) / w.prefill.rate
+    best = min(cost.values())
+    return {k: best / v if v > 0 else 1.0 for k, v in cost.items()}
 
 
 def _prefix_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:

@@ -249,6 +249,26 @@ def test_kvpool_policy_spills_when_the_holder_has_a_long_prefill_queue() -> None
     assert (d.worker, d.reason) == ("w1", "spill")
 
 
+def test_a_long_cached_prefix_stays_behind_a_queue_a_short_one_leaves() -> None:
+    """Recomputing a prefix another worker holds is charged to the worker that would: the
+    same queue that sends a short prompt elsewhere keeps a long one on its holder, whose
+    copy would cost the pool as much prefill as the wait (the Mooncake trace's 8k-token
+    prefixes were copied this way, at 2 to 3 points of hit ratio each)."""
+    ws = workers(2)
+    ws[0].queued_tokens = 20_000  # 2.5 s of prefill at the prior rate
+    long = Policy.named("kvpool").decide(req(8346, w0=520), ws)
+    assert (long.worker, long.reason) == ("w0", "prefix")
+    short = Policy.named("kvpool").decide(req(334, w0=20), ws)
+    assert (short.worker, short.reason) == ("w1", "spill")
+    # The idle worker would start the long one sooner (the TTFT alone scored the holder
+    # 0.42, and the prefix share could not make up for it); charged for computing again the
+    # 8,320 tokens the holder has, it costs 0.83 of the holder's.
+    idle, held = ws[1].prefill.predict(8346), ws[0].prefill.predict(20_000 + 8346 - 8320)
+    assert idle / held == pytest.approx(0.42, abs=0.01)
+    scores = SCORERS["ttft"](req(8346, w0=520), ws)
+    assert scores == {"w0": pytest.approx(0.83, abs=0.01), "w1": 1.0}
+
+
 def test_hot_prefix_never_piles_onto_one_worker() -> None:
     """Every request shares one prompt and none finishes: the prefix spreads to other
     workers as its holders fill up, and no worker goes past the decode-load guard."""
