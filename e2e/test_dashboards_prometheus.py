@@ -245,7 +245,8 @@ def _prometheus_config(router: str, workers: list[str], operator_port: int) -> d
 
 
 def _load(router: str, model: str, seconds: float) -> None:
-    """Chat requests that share system prompts, streamed and not, and one bad request."""
+    """Chat requests that share system prompts, streamed and not, one bad request, and
+    pairs of streams on a new long document sent together."""
     from openai import NotFoundError, OpenAI
 
     client = OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -272,12 +273,26 @@ def _load(router: str, model: str, seconds: float) -> None:
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}]
         )
+
+    def document(k: int, question: str) -> None:
+        """A stream on a long document nobody has sent before: two at once, and the second
+        is held in the router while the first prefills what they share."""
+        text = " ".join(f"Section {k}.{j} sets out rule {j} of document {k}." for j in range(60))
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"{text} {question}"}],
+            max_tokens=4, stream=True,
+        )  # fmt: skip
+        for _ in stream:
+            pass
+
     deadline = time.monotonic() + seconds
     i = 0
     with ThreadPoolExecutor(4) as pool:
         while time.monotonic() < deadline:
             list(pool.map(one, range(i, i + 4)))
             i += 4
+        for k in range(3):
+            list(pool.map(document, [k, k], ["Who wrote it?", "When?"]))
 
 
 def query(prometheus: str, expr: str, at: float) -> list[dict[str, Any]]:
