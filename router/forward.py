@@ -310,11 +310,8 @@ class Forwarder:
         still prefilling prompt blocks they share (:meth:`~.load.WorkerLoad.leader`): then
         it finds them cached instead of computing them a second time beside the first.
         Its ticket is already counted there, so decisions made meanwhile see its load."""
-        min_blocks = self._leader_blocks
-        while min_blocks > 0:
-            found = state.leader(ticket, min_blocks, self.settings.block_size)
-            if found is None:
-                return
+        min_blocks, block_size = self._leader_blocks, self.settings.block_size
+        while (found := state.leader(ticket, min_blocks, block_size)) is not None:
             leader, until = found
             start = time.monotonic()
             wait = min(until, limit) - start

@@ -30,15 +30,12 @@ def test_a_prefix_share_of_the_traffic_decays_and_names_how_many_should_hold_it(
         heat.observe(1)
     for _ in range(8):
         heat.observe(None)  # requests sharing nothing count in the total
-    assert heat.share(1) == pytest.approx(0.5)
-    assert (
-        heat.holders(heat.share(1), 8, in_flight=16) == 4
-    )  # half of 16 in flight, two to a holder
-    assert heat.holders(heat.share(1), 8, in_flight=1) == 1  # one at a time: one holder does
-    assert (
-        heat.holders(heat.share(1), 8, in_flight=100) == 4
-    )  # never more than its share of the pool
-    assert heat.holders(heat.share(1), 2, in_flight=100) == 1
+    half = heat.share(1)
+    assert half == pytest.approx(0.5)
+    assert heat.holders(half, 8, in_flight=16) == 4  # half of 16 in flight, two to a holder
+    assert heat.holders(half, 8, in_flight=1) == 1  # one at a time: one holder does
+    assert heat.holders(half, 8, in_flight=100) == 4  # never more than its share of the pool
+    assert heat.holders(half, 2, in_flight=100) == 1
     heat.observe(2)
     assert heat.share(2) == 0.0 and heat.holders(heat.share(2), 8, 100) == 1  # too rare to call hot
     clock.now = 10.0  # a half-life later, a burst of another prefix
