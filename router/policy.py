@@ -22,7 +22,8 @@ cache, which later requests of the group then split between. The cache share kee
 prefix on its holder until the holder is clearly slower (for a prompt 90% cached, until its
 predicted TTFT is 1.8 times the best); then the prefix spills to a second worker, which
 caches it too. The decode-load guard keeps any one worker's in-flight requests within 1.5x
-of the pool's mean (+4) whatever the cache says.
+of the pool's mean (+4), a bound that grows with the share of the prompt the worker holds
+(up to twice it for a prompt held whole).
 
 Session affinity, when the router is configured with a weight for it, adds a third score:
 1 for the worker the request's conversation was last sent to (``RouteRequest.affinity``,
@@ -225,15 +226,26 @@ def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig
     ``guard_slack``) and its KV cache below ``guard_kv_usage``: past those, decoding slows
     everyone on it, whatever the cache saves. Never drops every worker. (The same bound on
     the KV its requests hold, tried, dropped holders of long prompts too often: the
-    ``kv-load`` scorer weighs it instead.)"""
+    ``kv-load`` scorer weighs it instead.)
+
+    The in-flight bound yields to the cache: it is multiplied by one plus the share of the
+    prompt the worker holds, up to twice the bound for a prompt it holds whole. A hot long
+    prefix piles requests onto its holder, and a bound blind to the prompt sent an
+    8,000-token prefix elsewhere to be computed again for the sake of one more decode; the
+    holder, which prefills only the tail, is still the cheaper place until it is twice as
+    loaded. A request the worker holds nothing of meets the plain bound."""
     if len(workers) < 2:
         return {}
     mean = sum(w.in_flight for w in workers) / len(workers)
     limit = cfg.guard_ratio * mean + cfg.guard_slack
+    total = max(req.num_tokens - 1, 1)
     out = {}
     for w in workers:
-        if w.in_flight + 1 > limit:
-            out[w.id] = f"in_flight {w.in_flight} over {limit:.1f}"
+        share = req.cached_tokens(w) / total
+        bound = limit * (1.0 + share)
+        if w.in_flight + 1 > bound:
+            held = f" ({share:.0%} cached)" if share else ""
+            out[w.id] = f"in_flight {w.in_flight} over {bound:.1f}{held}"
         elif w.kv_usage is not None and w.kv_usage >= cfg.guard_kv_usage:
             out[w.id] = f"kv_usage {w.kv_usage:.2f}"
     if len(out) == len(workers):

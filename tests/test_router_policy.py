@@ -236,10 +236,29 @@ def test_kvpool_policy_sends_a_prefix_to_the_worker_that_holds_it() -> None:
 
 def test_kvpool_policy_spills_a_hot_prefix_when_its_holder_is_busy() -> None:
     ws = workers(4)
-    ws[0].in_flight = 12  # everyone else idle: over the decode-load guard
+    ws[0].in_flight = 28  # everyone else idle: 29 over (1.5 * 7 + 4) * (1 + 0.96)
     d = Policy.named("kvpool").decide(req(2000, w0=120), ws)
     assert d.worker != "w0" and d.reason == "spill"
-    assert next(c for c in d.candidates if c.worker == "w0").filtered.startswith("decode-load")
+    why = next(c for c in d.candidates if c.worker == "w0").filtered
+    assert why == "decode-load: in_flight 28 over 28.4 (96% cached)"
+
+
+def test_the_decode_load_bound_yields_to_the_share_of_the_prompt_a_worker_holds() -> None:
+    """A holder of most of a long prompt keeps it past the plain bound (computing the
+    prefix again elsewhere costs more than one more decode), up to twice the bound for a
+    prompt held whole; a worker that holds nothing of it meets the plain bound."""
+    ws = workers(4)
+    ws[0].in_flight = 12  # 13 over the plain bound 1.5 * 3 + 4 = 8.5
+    held = Policy.named("kvpool").decide(req(8346, w0=520), ws)
+    assert held.worker == "w0"
+    assert next(c for c in held.candidates if c.worker == "w0").filtered is None
+    cold = Policy.named("kvpool").decide(req(8346, w1=520), ws)
+    why = next(c for c in cold.candidates if c.worker == "w0").filtered
+    assert why == "decode-load: in_flight 12 over 8.5"
+    half = Policy.named("kvpool").decide(req(8346, w0=100), ws)  # 19% held: bound 10.1
+    assert next(c for c in half.candidates if c.worker == "w0").filtered.startswith(
+        "decode-load: in_flight 12 over 10.1 (19% cached)"
+    )
 
 
 def test_kvpool_policy_spills_when_the_holder_has_a_long_prefill_queue() -> None:
@@ -271,7 +290,8 @@ def test_a_long_cached_prefix_stays_behind_a_queue_a_short_one_leaves() -> None:
 
 def test_hot_prefix_never_piles_onto_one_worker() -> None:
     """Every request shares one prompt and none finishes: the prefix spreads to other
-    workers as its holders fill up, and no worker goes past the decode-load guard."""
+    workers as its holders fill up, and no worker goes past the decode-load guard (for a
+    prompt 96% cached, 1.96 times the plain bound)."""
     policy = Policy.named("kvpool", rng=random.Random(0))
     cfg = policy.config
     ws = workers(4)
@@ -283,8 +303,10 @@ def test_hot_prefix_never_piles_onto_one_worker() -> None:
         holders.add(chosen.id)  # the chosen worker caches it too
     loads = [w.in_flight for w in ws]
     mean = sum(loads) / len(loads)
-    assert max(loads) <= cfg.guard_ratio * mean + cfg.guard_slack
-    assert len(holders) >= 3
+    assert max(loads) <= (cfg.guard_ratio * mean + cfg.guard_slack) * (1 + 960 / 999)
+    assert len(holders) >= 2
+    # A worker that does not hold the prompt is bound by the plain guard.
+    assert min(w.in_flight for w in ws if w.id not in holders) <= cfg.guard_slack
 
 
 def test_no_worker_when_every_worker_is_filtered() -> None:
@@ -359,8 +381,8 @@ def test_a_session_goes_back_to_its_worker_among_equal_workers() -> None:
 
 def test_a_session_leaves_its_worker_when_it_is_over_the_decode_load_guard() -> None:
     ws = workers(3)
-    ws[1].in_flight = 12  # the others idle: 12 + 1 over 1.5 * 4 + 4
-    d = Policy(AFFINITY).decide(session_req("w1", w1=60), ws)
+    ws[1].in_flight = 12  # the others idle: 12 + 1 over 1.5 * 4 + 4, and nothing cached
+    d = Policy(AFFINITY).decide(session_req("w1"), ws)
     assert d.worker != "w1"
     assert next(c for c in d.candidates if c.worker == "w1").filtered.startswith("decode-load")
 
