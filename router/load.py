@@ -141,6 +141,9 @@ class WorkerLoad:
     active_tokens: int = 0
     queued: dict[int, Ticket] = field(default_factory=dict)
     prefill: PrefillModel = field(default_factory=PrefillModel)
+    #: the pool's model, fitted to every worker's TTFTs at once (shared by the pool's
+    #: workers): what a worker without enough TTFTs of its own is judged by
+    pooled_prefill: PrefillModel | None = field(default=None, repr=False)
     itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
     itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
     #: what the other router replicas have on it (router.peers): requests in flight and
@@ -225,6 +228,8 @@ class WorkerLoad:
             self._dequeue(ticket)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
+                if self.pooled_prefill is not None:
+                    self.pooled_prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
             self._load_changed()
         return ttft
 

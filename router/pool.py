@@ -222,6 +222,8 @@ class WorkerPool:
         self.index = index
         #: (until when, how many learned models, their median model): see _typical_prefill
         self._typical: tuple[float, int, PrefillModel] | None = None
+        #: one model fitted to every worker's TTFTs: see _typical_prefill
+        self.pooled_prefill = PrefillModel()
         self.client = client
         self.workers: dict[str, WorkerState] = {}
         #: the index's writer: the workers' event streams, their ranks, speculation
@@ -249,7 +251,7 @@ class WorkerPool:
 
     def _add(self, endpoint: WorkerEndpoint) -> None:
         self.feed.claim_name(endpoint.id)
-        state = WorkerState(endpoint=endpoint)
+        state = WorkerState(endpoint=endpoint, pooled_prefill=self.pooled_prefill)
         state.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
         if self.peers is not None:
             state.on_load = self._own_load_changed
@@ -293,9 +295,12 @@ class WorkerPool:
         now = time.monotonic() if now is None else now
         max_age = 3 * self.config.scrape_interval_s
         views = [s.view(now, max_age) for s in self.workers.values()]
-        # A worker the router has not yet seen prefill is assumed to be like its peers
-        # (same model, same hardware), not like the static prior: a prior slower than
-        # the pool would keep a new or idle worker out of rotation for good.
+        # A worker the router has not yet seen prefill often is assumed to be like its
+        # peers (same model, same hardware), not like the static prior or its own first
+        # few TTFTs: a prior slower than the pool would keep a new or idle worker out of
+        # rotation for good, and one faster than it (or a fit to one TTFT, whose error all
+        # goes into the overhead) favours a worker whose first request is still
+        # prefilling over the ones that have answered.
         typical = self._typical_prefill(views, now)
         if typical is not None:
             for v in views:
@@ -304,12 +309,17 @@ class WorkerPool:
         return views
 
     def _typical_prefill(self, views: list[WorkerView], now: float) -> PrefillModel | None:
-        """The median learned prefill model, for workers the router has not yet seen
-        prefill (None when every worker has its own, or none has). It moves slowly, so it
-        is computed at most every ``TYPICAL_EVERY_S`` while the learned set is the same."""
+        """The model for workers the router has not yet seen prefill ``LEARNED_AFTER``
+        times: the median of the workers' own learned models, or, while no worker has
+        one, the pool's model (:attr:`pooled_prefill`, fitted to every TTFT seen, once
+        it has seen one). None when every worker has its own, or nothing was seen. The
+        median moves slowly, so it is computed at most every ``TYPICAL_EVERY_S`` while
+        the learned set is the same."""
         learned = [v.prefill for v in views if v.prefill.observations >= LEARNED_AFTER]
-        if not learned or len(learned) == len(views):
+        if len(learned) == len(views):
             return None
+        if not learned:
+            return self.pooled_prefill if self.pooled_prefill.observations else None
         cached = self._typical
         if cached is not None and cached[0] > now and cached[1] == len(learned):
             return cached[2]

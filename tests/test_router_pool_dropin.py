@@ -22,6 +22,7 @@ from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublisher
 from kvpool.router.discovery import WorkerEndpoint
 from kvpool.router.index import BlockIndex
+from kvpool.router.policy import Policy, RouteRequest, predicted_ttft
 from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState, parse_load
 
 pytestmark = pytest.mark.timeout(30)
@@ -537,6 +538,35 @@ def test_a_replica_learns_prefill_from_the_whole_queue_ahead_the_others_included
         now += 10.0
     assert state.prefill.rate == pytest.approx(rate, rel=0.05)
     assert state.prefill.overhead == pytest.approx(overhead, abs=0.01)
+
+
+async def test_workers_without_ttfts_of_their_own_are_judged_by_one_model_fitted_to_all() -> None:
+    """Early in a pool's life no worker has seen enough TTFTs for a model of its own. A fit
+    to one TTFT puts all its error in the overhead: on a fleet slower than the static prior,
+    the worker that had answered looked slower than one whose first request was still
+    prefilling, and the next request queued behind that prefill with an idle worker beside
+    it. Until some worker has its own model, each is judged by one fitted to every TTFT."""
+    async with aiohttp.ClientSession() as client:
+        pool = WorkerPool(PoolConfig(16, SEED, health_interval_s=60.0), BlockIndex(), client)
+        try:
+            pool.set_endpoints(
+                WorkerEndpoint(id=w, url="http://127.0.0.1:9") for w in ("answered", "busy")
+            )
+            answered, busy = pool.workers["answered"], pool.workers["busy"]
+            answered.status = busy.status = "up"  # no await before the decision: it stays
+            now = time.monotonic()
+            first = answered.begin(2300, 0.3, now, shows_first_token=True)
+            answered.first_token(first, now + 1.2)  # 2,300 tokens in 1.2 s: the prior says 0.3
+            answered.end(first)
+            busy.begin(2300, 0.3, now + 1.1, shows_first_token=True)  # not prefilled yet
+            views = pool.views(now + 1.3)
+            req = RouteRequest(2190, 16, {})
+            ttft = {v.id: predicted_ttft(req, v) for v in views}
+            assert ttft["answered"] < ttft["busy"]
+            assert ttft["answered"] == pytest.approx(1.2 - 110 / 8000)  # what it was seen do
+            assert Policy.named("kvpool").decide(req, views).worker == "answered"
+        finally:
+            await pool.close()
 
 
 def test_a_stream_counts_as_queued_until_its_first_token_however_long_the_wait() -> None:
