@@ -23,7 +23,7 @@ prefix on its holder until the holder is clearly slower (for a prompt 90% cached
 predicted TTFT is 1.8 times the best); then the prefix spills to a second worker, which
 caches it too. The decode-load guard keeps any one worker's in-flight requests within 1.5x
 of the pool's mean (+4), a bound that grows with the share of the prompt the worker holds
-(up to twice it for a prompt held whole).
+(to about twice it for a prompt held whole).
 
 Session affinity, when the router is configured with a weight for it, adds a third score:
 1 for the worker the request's conversation was last sent to (``RouteRequest.affinity``,
@@ -228,23 +228,28 @@ def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig
     the KV its requests hold, tried, dropped holders of long prompts too often: the
     ``kv-load`` scorer weighs it instead.)
 
-    The in-flight bound yields to the cache: it is multiplied by one plus the share of the
-    prompt the worker holds, up to twice the bound for a prompt it holds whole. A hot long
-    prefix piles requests onto its holder, and a bound blind to the prompt sent an
-    8,000-token prefix elsewhere to be computed again for the sake of one more decode; the
-    holder, which prefills only the tail, is still the cheaper place until it is twice as
-    loaded. A request the worker holds nothing of meets the plain bound."""
-    if len(workers) < 2:
+    The in-flight bound yields to the cache: a worker may go over it by the share of the
+    prompt it holds times the same bound taken over the other workers alone, so a prompt
+    held whole gets about twice the bound, and a worker holding none of it meets the plain
+    bound. A hot long prefix piles requests onto its holder, and a bound blind to the
+    prompt sent an 8,000-token prefix elsewhere to be computed again for the sake of one
+    more decode; the holder, which prefills only the tail, is still the cheaper place until
+    it is about twice as loaded. The allowance leaves the worker's own load out: in a pool
+    of two or three, twice a bound that counts it grows as fast as the load it bounds, and
+    a hot prefix would pile onto its holder without end."""
+    n = len(workers)
+    if n < 2:
         return {}
-    mean = sum(w.in_flight for w in workers) / len(workers)
-    limit = cfg.guard_ratio * mean + cfg.guard_slack
+    busy = sum(w.in_flight for w in workers)
+    limit = cfg.guard_ratio * busy / n + cfg.guard_slack
     total = max(req.num_tokens - 1, 1)
     out = {}
     for w in workers:
         share = req.cached_tokens(w) / total
-        bound = limit * (1.0 + share)
+        others = cfg.guard_ratio * (busy - w.in_flight) / (n - 1) + cfg.guard_slack
+        bound = limit + share * others
         if w.in_flight + 1 > bound:
-            held = f" ({share:.0%} cached)" if share else ""
+            held = f" ({share:.0%} cached)" if share >= 0.005 else ""
             out[w.id] = f"in_flight {w.in_flight} over {bound:.1f}{held}"
         elif w.kv_usage is not None and w.kv_usage >= cfg.guard_kv_usage:
             out[w.id] = f"kv_usage {w.kv_usage:.2f}"
