@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from .load import Ticket, common_prefix
 from .request import Kind, parse_body
 
 if TYPE_CHECKING:
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
     from .policy import Plan, RouteRequest
     from .pool import WorkerPool
     from .processes import ProcessSlot
+    from .settings import RouterSettings
 
-__all__ = ["AdminEndpoints", "route_answer", "worker_rows"]
+__all__ = ["AdminEndpoints", "prefix_wait", "route_answer", "worker_rows"]
 
 
 class AdminEndpoints:
@@ -33,6 +35,7 @@ class AdminEndpoints:
     :class:`.server.Router`, whose state and parsing they read."""
 
     draining: bool
+    settings: RouterSettings
     slot: ProcessSlot
     index: BlockIndex
     peers: PeerLink | None
@@ -97,8 +100,36 @@ class AdminEndpoints:
         # should be on (its share of the traffic), and how many of its blocks make a holder
         req = self._route_request(routed, observe=False)
         answer["spread"] = {"wanted_holders": req.spread_wanted, "depth_blocks": req.spread_depth}
+        answer["prefix_wait"] = prefix_wait(
+            self._pool(), routed, answer, self.settings.leader_blocks(), self.settings.block_size
+        )
         answer["process"] = self.slot.index  # which of --processes N answered
         return JSONResponse(answer)
+
+
+def prefix_wait(
+    pool: WorkerPool, routed: Routed, answer: dict[str, Any], min_blocks: int, block_size: int
+) -> dict[str, Any] | None:
+    """Whether the request, sent now, would be held until a request already on its worker
+    has prefilled blocks they share (:meth:`~.load.WorkerLoad.leader`; the prefill leg's
+    worker when split): that request's age, the shared blocks it computes itself, and the
+    longest the wait could last. None: it would be sent at once."""
+    answered = answer["prefill"] or answer
+    state = pool.workers.get(answered["worker"] or "")
+    if state is None:
+        return None
+    now = time.monotonic()
+    probe = Ticket(0, 0, now, now, keys=routed.keys)
+    found = state.leader(probe, min_blocks, block_size)
+    if found is None:
+        return None
+    leader, until = found
+    return {
+        "worker": state.id,
+        "leader_age_s": round(now - leader.routed_at, 4),
+        "shared_blocks_computing": common_prefix(leader.keys, routed.keys) - leader.credited_blocks,
+        "at_most_s": round(max(until - now, 0.0), 4),
+    }
 
 
 def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
@@ -106,6 +137,7 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
     prefill model, compatibility and index figures."""
     rows = []
     for s in pool.workers.values():
+        model, source = pool.prefill_model(s, now)
         rows.append(
             {
                 "id": s.id,
@@ -123,8 +155,12 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
                 "queued_prefill_tokens": s.queued_tokens(now),
                 "peers_in_flight": s.peer_in_flight,
                 "peers_queued_prefill_tokens": s.peer_queued,
-                "prefill_rate_tokens_per_s": round(s.prefill.rate, 1),
-                "prefill_overhead_s": round(s.prefill.overhead, 4),
+                # the model routing judges it by, and where that comes from (its own
+                # TTFTs, its peers', or the prior while none was seen)
+                "prefill_rate_tokens_per_s": round(model.rate, 1),
+                "prefill_overhead_s": round(model.overhead, 4),
+                "prefill_model": source,
+                "prefill_observations": s.prefill.observations,
                 "itl_s": s.itl,
                 "kv_usage": s.kv_usage,
                 "waiting": s.waiting,

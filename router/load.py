@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad"]
+__all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
 
 
 @dataclass(slots=True)
@@ -113,7 +113,7 @@ ITL_WEIGHT = 0.1
 LEADER_MARGIN = 1.5
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     if n == 0 or a[0] != b[0]:
@@ -290,7 +290,7 @@ class WorkerLoad:
                 continue
             if t.routed_at > follower.routed_at:
                 continue
-            shared = _common_prefix(t.keys, keys)
+            shared = common_prefix(t.keys, keys)
             pending = shared - t.credited_blocks  # the shared blocks it computes itself
             if pending > most:
                 best, most = t, pending

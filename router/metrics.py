@@ -198,10 +198,12 @@ class _PoolCollector(Collector):
         workers: Callable[[], list[WorkerState]],
         indexed_blocks: Callable[[str], int],
         rows: Callable[[], Rows],
+        prefill_rate: Callable[[WorkerState], float | None],
     ) -> None:
         self.workers = workers
         self.indexed_blocks = indexed_blocks  # all of a worker's data-parallel ranks
         self.rows = rows  # the additive figures: this process's, plus its siblings'
+        self.prefill_rate = prefill_rate  # the one routing uses; None: no TTFT seen yet
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -233,7 +235,8 @@ class _PoolCollector(Collector):
             ),
             "rate": GaugeMetricFamily(
                 "kvpool_router_worker_prefill_rate_tokens_per_second",
-                "The worker's prefill rate, learned from the TTFTs the router saw.",
+                "The prefill rate routing uses for the worker: learned from its TTFTs, or "
+                "its peers' while it has few; absent until the router has seen a TTFT.",
                 labels=["worker"],
             ),
             "events": CounterMetricFamily(
@@ -292,7 +295,9 @@ class _PoolCollector(Collector):
             families["in_flight"].add_metric(w, rows.in_flight.get(s.id, 0))
             families["queued"].add_metric(w, rows.queued.get(s.id, 0))
             families["blocks"].add_metric(w, self.indexed_blocks(s.id))
-            families["rate"].add_metric(w, s.prefill.rate)
+            rate = self.prefill_rate(s)
+            if rate is not None:
+                families["rate"].add_metric(w, rate)
             check = s.agreement
             if check is not None:
                 code = rows.events["cache_flagged"].get(s.id, 0)
@@ -324,9 +329,11 @@ class RouterMetrics:
         workers: Callable[[], list[WorkerState]],
         indexed_blocks: Callable[[str], int],
         shared: str | None = None,
+        prefill_rate: Callable[[WorkerState], float | None] | None = None,
     ) -> None:
         """``shared``: the runtime directory of a router of several processes
-        (:mod:`.processes`), whose ``/metrics`` then adds up every process's figures."""
+        (:mod:`.processes`), whose ``/metrics`` then adds up every process's figures;
+        ``prefill_rate``: the rate routing uses for a worker (its own model's by default)."""
         self.workers = workers
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -497,7 +504,8 @@ class RouterMetrics:
             MultiProcessCollector(r)
         else:
             self.exposed = r
-        r.register(_PoolCollector(workers, indexed_blocks, self._rows))
+        rate = prefill_rate or (lambda s: s.prefill.rate)
+        r.register(_PoolCollector(workers, indexed_blocks, self._rows, rate))
 
     def watch_queue(self, depth: Callable[[], dict[str, int]]) -> None:
         """Where ``kvpool_router_queue_depth`` reads each band's waiting requests."""

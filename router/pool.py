@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
@@ -203,6 +203,8 @@ class PoolConfig:
 
 #: TTFTs seen before a worker's own prefill model is trusted over its peers'
 LEARNED_AFTER = 8
+#: where the prefill model routing uses for a worker comes from: see prefill_model
+PrefillSource = Literal["own", "median", "pool", "prior"]
 #: how long the pool's typical prefill model (the median of the learned ones) is reused
 TYPICAL_EVERY_S = 0.25
 
@@ -301,22 +303,43 @@ class WorkerPool:
         # rotation for good, and one faster than it (or a fit to one TTFT, whose error all
         # goes into the overhead) favours a worker whose first request is still
         # prefilling over the ones that have answered.
-        typical = self._typical_prefill(views, now)
+        typical = self._typical_prefill([v.prefill for v in views], now)
         if typical is not None:
             for v in views:
                 if v.prefill.observations < LEARNED_AFTER:
                     v.prefill = typical
         return views
 
-    def _typical_prefill(self, views: list[WorkerView], now: float) -> PrefillModel | None:
+    def prefill_model(
+        self, state: WorkerState, now: float | None = None
+    ) -> tuple[PrefillModel, PrefillSource]:
+        """The prefill model routing judges ``state`` by (:meth:`views`), and where it comes
+        from: ``own`` (fitted to the worker's own ``LEARNED_AFTER`` TTFTs or more),
+        ``median`` (the learned workers' median), ``pool`` (fitted to every TTFT seen, while
+        no worker has its own) or ``prior`` (no TTFT seen yet: a guess)."""
+        if state.prefill.observations >= LEARNED_AFTER:
+            return state.prefill, "own"
+        now = time.monotonic() if now is None else now
+        models = [s.prefill for s in self.workers.values()]
+        typical = self._typical_prefill(models, now)
+        if typical is None:
+            return state.prefill, "prior"
+        return typical, "pool" if typical is self.pooled_prefill else "median"
+
+    def prefill_rate(self, state: WorkerState) -> float | None:
+        """The prefill rate routing uses for ``state``, None while it is the prior's."""
+        model, source = self.prefill_model(state)
+        return None if source == "prior" else model.rate
+
+    def _typical_prefill(self, models: list[PrefillModel], now: float) -> PrefillModel | None:
         """The model for workers the router has not yet seen prefill ``LEARNED_AFTER``
         times: the median of the workers' own learned models, or, while no worker has
         one, the pool's model (:attr:`pooled_prefill`, fitted to every TTFT seen, once
         it has seen one). None when every worker has its own, or nothing was seen. The
         median moves slowly, so it is computed at most every ``TYPICAL_EVERY_S`` while
         the learned set is the same."""
-        learned = [v.prefill for v in views if v.prefill.observations >= LEARNED_AFTER]
-        if len(learned) == len(views):
+        learned = [m for m in models if m.observations >= LEARNED_AFTER]
+        if len(learned) == len(models):
             return None
         if not learned:
             return self.pooled_prefill if self.pooled_prefill.observations else None

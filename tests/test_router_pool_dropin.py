@@ -17,11 +17,14 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublisher
+from kvpool.router.admin import worker_rows
 from kvpool.router.discovery import WorkerEndpoint
 from kvpool.router.index import BlockIndex
+from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import Policy, RouteRequest, predicted_ttft
 from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState, parse_load
 
@@ -565,6 +568,64 @@ async def test_workers_without_ttfts_of_their_own_are_judged_by_one_model_fitted
             assert ttft["answered"] < ttft["busy"]
             assert ttft["answered"] == pytest.approx(1.2 - 110 / 8000)  # what it was seen do
             assert Policy.named("kvpool").decide(req, views).worker == "answered"
+        finally:
+            await pool.close()
+
+
+async def test_debug_workers_and_the_rate_metric_show_the_prefill_model_routing_uses() -> None:
+    """A worker the router has seen answer few times is routed by its peers' model, so that
+    is what ``/debug/workers`` and ``kvpool_router_worker_prefill_rate_tokens_per_second``
+    (which the operator's backlog signal reads) show for it, with where it comes from. They
+    used to show its own fit, the static prior for a fresh replica: after a scale-up the
+    new replicas' 8,000 tokens/s outvoted the fleet's real rate in the operator's median.
+    Before any TTFT the metric has no sample: the prior is a guess, not a measurement."""
+    async with aiohttp.ClientSession() as client:
+        pool = WorkerPool(PoolConfig(16, SEED, health_interval_s=60.0), BlockIndex(), client)
+        metrics = RouterMetrics(
+            lambda: list(pool.workers.values()), lambda w: 0, prefill_rate=pool.prefill_rate
+        )
+
+        def rates() -> dict[str, float]:
+            text = metrics.render().decode()
+            return {
+                s.labels["worker"]: s.value
+                for family in text_string_to_metric_families(text)
+                if family.name == "kvpool_router_worker_prefill_rate_tokens_per_second"
+                for s in family.samples
+            }
+
+        def rows() -> dict[str, tuple[str, float, int]]:
+            return {
+                r["id"]: (
+                    r["prefill_model"],
+                    r["prefill_rate_tokens_per_s"],
+                    r["prefill_observations"],
+                )
+                for r in worker_rows(pool, time.monotonic())
+            }
+
+        try:
+            pool.set_endpoints(
+                WorkerEndpoint(id=w, url="http://127.0.0.1:9") for w in ("seasoned", "fresh")
+            )
+            seasoned = pool.workers["seasoned"]
+            assert rows() == {"seasoned": ("prior", 8000.0, 0), "fresh": ("prior", 8000.0, 0)}
+            assert rates() == {}
+            now = time.monotonic()
+            for i in range(12):  # 2,000 tokens a second and 0.1 s of overhead, seen 12 times
+                tokens = 1000 + 250 * i
+                t = seasoned.begin(tokens, 0.3, now, shows_first_token=True)
+                seasoned.first_token(t, now + 0.1 + tokens / 2000)
+                seasoned.end(t)
+                if i == 0:  # one TTFT: every worker is judged by the pool's fit to it
+                    seen = rows()
+                    assert seen["seasoned"][0] == seen["fresh"][0] == "pool"
+                    assert seen["fresh"][2] == 0
+                    assert rates().keys() == {"seasoned", "fresh"}
+            seen = rows()
+            assert seen["seasoned"][0] == "own" and seen["fresh"][0] == "median"
+            assert seen["seasoned"][1] == seen["fresh"][1] == pytest.approx(2000, rel=0.01)
+            assert rates()["fresh"] == pytest.approx(2000, rel=0.01)
         finally:
             await pool.close()
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.router.load import Ticket, WorkerLoad, _common_prefix
+from kvpool.router.load import Ticket, WorkerLoad, common_prefix
 
 from conftest import RunningRouter
 from recording_worker import RecordingWorker
@@ -48,7 +48,7 @@ def test_the_shared_run_of_two_hash_chains_is_found(a: list[int], b: list[int]) 
     naive = 0
     while naive < min(len(a), len(b)) and a[naive] == b[naive]:
         naive += 1
-    assert _common_prefix(chain(a), chain(b)) == naive
+    assert common_prefix(chain(a), chain(b)) == naive
 
 
 def _begin(load: WorkerLoad, keys: list[int], credited: int, now: float, **kw: Any) -> Ticket:
@@ -137,6 +137,13 @@ def test_a_follower_is_sent_when_its_leader_prefilled_or_at_the_bound(
         time.sleep(0.3)
         sent = [r.json["prompt"] for r in worker.generation_requests()]
         assert not any("who pays" in p for p in sent), "the follower did not wait"
+        # /debug/route says a third question on the document would wait too, for whom and
+        # how long at most; an unrelated prompt would not
+        wait = router.route({"prompt": DOC + " Question three: when?"})["prefix_wait"]
+        assert wait is not None and wait["worker"] == "a", wait
+        assert wait["shared_blocks_computing"] >= 4 and wait["leader_age_s"] >= 0.3
+        assert 0 < wait["at_most_s"] < 10
+        assert router.route({"prompt": "another note about the weather"})["prefix_wait"] is None
         worker.gate.set()  # the leader's first token: the follower goes now
         results = [f.result(timeout=30) for f in (leader, follower, unrelated)]
     assert all(r["status"] == 200 and "[DONE]" in r["text"] for r in results), results
