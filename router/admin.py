@@ -136,8 +136,9 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
     """Each worker as the router sees it: health, load (its own and the peers'), learned
     prefill model, compatibility and index figures."""
     rows = []
+    models = pool.prefill_models(now)
     for s in pool.workers.values():
-        model, source = pool.prefill_model(s, now)
+        model, source = models[s.id]
         rows.append(
             {
                 "id": s.id,

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -198,12 +198,12 @@ class _PoolCollector(Collector):
         workers: Callable[[], list[WorkerState]],
         indexed_blocks: Callable[[str], int],
         rows: Callable[[], Rows],
-        prefill_rate: Callable[[WorkerState], float | None],
+        prefill_rates: Callable[[], Mapping[str, float]],
     ) -> None:
         self.workers = workers
         self.indexed_blocks = indexed_blocks  # all of a worker's data-parallel ranks
         self.rows = rows  # the additive figures: this process's, plus its siblings'
-        self.prefill_rate = prefill_rate  # the one routing uses; None: no TTFT seen yet
+        self.prefill_rates = prefill_rates  # the ones routing uses; none before a TTFT
 
     def collect(self) -> Iterator[Metric]:
         families = {
@@ -288,6 +288,7 @@ class _PoolCollector(Collector):
             ),
         }
         rows = self.rows()
+        rates = self.prefill_rates()
         for s in self.workers():
             w = [s.id]
             families["up"].add_metric(w, 1.0 if s.routable else 0.0)
@@ -295,9 +296,8 @@ class _PoolCollector(Collector):
             families["in_flight"].add_metric(w, rows.in_flight.get(s.id, 0))
             families["queued"].add_metric(w, rows.queued.get(s.id, 0))
             families["blocks"].add_metric(w, self.indexed_blocks(s.id))
-            rate = self.prefill_rate(s)
-            if rate is not None:
-                families["rate"].add_metric(w, rate)
+            if s.id in rates:
+                families["rate"].add_metric(w, rates[s.id])
             check = s.agreement
             if check is not None:
                 code = rows.events["cache_flagged"].get(s.id, 0)
@@ -329,11 +329,12 @@ class RouterMetrics:
         workers: Callable[[], list[WorkerState]],
         indexed_blocks: Callable[[str], int],
         shared: str | None = None,
-        prefill_rate: Callable[[WorkerState], float | None] | None = None,
+        prefill_rates: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         """``shared``: the runtime directory of a router of several processes
         (:mod:`.processes`), whose ``/metrics`` then adds up every process's figures;
-        ``prefill_rate``: the rate routing uses for a worker (its own model's by default)."""
+        ``prefill_rates``: the rate routing uses for each worker (by default, each one's
+        own model's)."""
         self.workers = workers
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -504,8 +505,8 @@ class RouterMetrics:
             MultiProcessCollector(r)
         else:
             self.exposed = r
-        rate = prefill_rate or (lambda s: s.prefill.rate)
-        r.register(_PoolCollector(workers, indexed_blocks, self._rows, rate))
+        rates = prefill_rates or (lambda: {s.id: s.prefill.rate for s in workers()})
+        r.register(_PoolCollector(workers, indexed_blocks, self._rows, rates))
 
     def watch_queue(self, depth: Callable[[], dict[str, int]]) -> None:
         """Where ``kvpool_router_queue_depth`` reads each band's waiting requests."""

@@ -203,7 +203,7 @@ class PoolConfig:
 
 #: TTFTs seen before a worker's own prefill model is trusted over its peers'
 LEARNED_AFTER = 8
-#: where the prefill model routing uses for a worker comes from: see prefill_model
+#: where the prefill model routing uses for a worker comes from: see prefill_models
 PrefillSource = Literal["own", "median", "pool", "prior"]
 #: how long the pool's typical prefill model (the median of the learned ones) is reused
 TYPICAL_EVERY_S = 0.25
@@ -310,26 +310,30 @@ class WorkerPool:
                     v.prefill = typical
         return views
 
-    def prefill_model(
-        self, state: WorkerState, now: float | None = None
-    ) -> tuple[PrefillModel, PrefillSource]:
-        """The prefill model routing judges ``state`` by (:meth:`views`), and where it comes
-        from: ``own`` (fitted to the worker's own ``LEARNED_AFTER`` TTFTs or more),
-        ``median`` (the learned workers' median), ``pool`` (fitted to every TTFT seen, while
-        no worker has its own) or ``prior`` (no TTFT seen yet: a guess)."""
-        if state.prefill.observations >= LEARNED_AFTER:
-            return state.prefill, "own"
+    def prefill_models(
+        self, now: float | None = None
+    ) -> dict[str, tuple[PrefillModel, PrefillSource]]:
+        """Per worker, the prefill model routing judges it by (:meth:`views`), and where it
+        comes from: ``own`` (fitted to the worker's own ``LEARNED_AFTER`` TTFTs or more),
+        ``median`` (the learned workers' median), ``pool`` (fitted to every TTFT seen,
+        while no worker has its own) or ``prior`` (no TTFT seen yet: a guess)."""
         now = time.monotonic() if now is None else now
-        models = [s.prefill for s in self.workers.values()]
-        typical = self._typical_prefill(models, now)
-        if typical is None:
-            return state.prefill, "prior"
-        return typical, "pool" if typical is self.pooled_prefill else "median"
+        states = self.workers.values()
+        typical = self._typical_prefill([s.prefill for s in states], now)
+        source: PrefillSource = "prior"
+        if typical is not None:
+            source = "pool" if typical is self.pooled_prefill else "median"
+        out: dict[str, tuple[PrefillModel, PrefillSource]] = {}
+        for s in states:
+            if s.prefill.observations >= LEARNED_AFTER:
+                out[s.id] = (s.prefill, "own")
+            else:
+                out[s.id] = (typical or s.prefill, source)
+        return out
 
-    def prefill_rate(self, state: WorkerState) -> float | None:
-        """The prefill rate routing uses for ``state``, None while it is the prior's."""
-        model, source = self.prefill_model(state)
-        return None if source == "prior" else model.rate
+    def prefill_rates(self) -> dict[str, float]:
+        """The prefill rate routing uses for each worker whose model is not the prior."""
+        return {w: m.rate for w, (m, source) in self.prefill_models().items() if source != "prior"}
 
     def _typical_prefill(self, models: list[PrefillModel], now: float) -> PrefillModel | None:
         """The model for workers the router has not yet seen prefill ``LEARNED_AFTER``

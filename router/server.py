@@ -171,7 +171,7 @@ class Router(AdminEndpoints):
             lambda: list(pool.workers.values()),
             pool.feed.indexed_blocks,
             shared=self.slot.runtime_dir,
-            prefill_rate=pool.prefill_rate,
+            prefill_rates=pool.prefill_rates,
         )
         self._share_task = asyncio.create_task(self.metrics.share())
         self.gate = Gate(s, self.metrics, self._saturation)

@@ -582,7 +582,7 @@ async def test_debug_workers_and_the_rate_metric_show_the_prefill_model_routing_
     async with aiohttp.ClientSession() as client:
         pool = WorkerPool(PoolConfig(16, SEED, health_interval_s=60.0), BlockIndex(), client)
         metrics = RouterMetrics(
-            lambda: list(pool.workers.values()), lambda w: 0, prefill_rate=pool.prefill_rate
+            lambda: list(pool.workers.values()), lambda w: 0, prefill_rates=pool.prefill_rates
         )
 
         def rates() -> dict[str, float]:
