@@ -35,6 +35,7 @@ class AdminEndpoints:
     :class:`.server.Router`, whose state and parsing they read."""
 
     draining: bool
+    _warm: bool  # every worker known at start was registered and replayed (see health)
     settings: RouterSettings
     slot: ProcessSlot
     index: BlockIndex
@@ -55,14 +56,27 @@ class AdminEndpoints:
     async def health(self, request: Request) -> JSONResponse:
         if self.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        up = len(self._pool().routable())
+        pool = self._pool()
+        up = len(pool.routable())
+        # Workers whose KV event history is still being replayed into the index are out of
+        # rotation until it is in. A router that has just started is not ready until every
+        # worker it knows has been registered and replayed (or found down): ready with the
+        # first one, it would send all its traffic there. Later, one worker coming back
+        # does not make it unready.
+        syncing = sum(1 for s in pool.workers.values() if s.status == "syncing")
+        if up and not self._warm:
+            self._warm = not any(
+                s.status in ("registering", "syncing") for s in pool.workers.values()
+            )
+        ready = up > 0 and self._warm
         body = {
-            "status": "ok" if up else "no_workers",
+            "status": "ok" if ready else "syncing" if syncing or up else "no_workers",
             "workers_up": up,
+            "workers_syncing": syncing,
             "process": self.slot.index,
             "requests": self._gate().admitted,  # this process's, since it started
         }
-        return JSONResponse(body, status_code=200 if up else 503)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     async def models(self, request: Request) -> JSONResponse:
         """Every model and LoRA adapter some worker in rotation lists, as it lists them."""

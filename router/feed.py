@@ -124,6 +124,19 @@ class IndexFeed:
         state.subscriber = sub
         state.events_task = asyncio.create_task(self._events_loop(state, sub, credential))
 
+    async def caught_up(self, state: WorkerState, timeout: float) -> bool:
+        """Wait until the worker's event history (its publisher's replay buffer, read from
+        the start) is in the index, at most ``timeout`` seconds; whether it is. True at once
+        for a worker without an event stream."""
+        sub = state.subscriber
+        if sub is None:
+            return True
+        try:
+            await asyncio.wait_for(sub.caught_up.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def stop(self, state: WorkerState) -> None:
         sub, state.subscriber = state.subscriber, None
         task, state.events_task = state.events_task, None

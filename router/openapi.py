@@ -181,7 +181,10 @@ def openapi_schema(app: Any) -> dict[str, Any]:
         return app.openapi_schema
     paths = {path: _post(path) for path in _BODIES}
     paths["/v1/models"] = _get("Every model and LoRA adapter the workers serve")
-    paths["/health"] = _get("200 while at least one worker is in rotation")
+    paths["/health"] = _get(
+        "200 while at least one worker is in rotation, once the workers known at start are "
+        "registered and their KV event history replayed (503 `syncing` until then)"
+    )
     paths["/metrics"] = _get("Prometheus metrics (kvpool_router_*)", "text/plain")
     app.openapi_schema = {
         "openapi": "3.1.0",

@@ -7,7 +7,11 @@ For each worker the pool keeps what the policy needs at decision time (a
   answer within ``health_timeout_s`` takes the worker out of rotation and drops its index
   entries (a dead worker's cache is gone); a 503 (loading or draining) takes it out of
   rotation only. When it answers 200 again it is registered again: ``GET /kvpool/info``
-  tells block size, hash seed, model and event endpoints. A worker whose block size or hash
+  tells block size, hash seed, model and event endpoints. A worker that publishes KV events
+  enters rotation once its event history (the publisher's replay buffer, from the start)
+  is in the index: ``syncing`` until then, at most ``index_sync_timeout_s``. A router that
+  starts in front of busy workers so routes on what they hold, and stays unready (its
+  ``/health``) meanwhile. A worker whose block size or hash
   seed differ from the router's is kept, but scored without cache credit, and reported.
   A worker without ``/kvpool/info`` (vLLM) is taken to share the router's hashing, the way
   an operator deploys them, with its model from ``/v1/models``.
@@ -89,7 +93,9 @@ class WorkerState(WorkerLoad):
     it serves, its event stream, and (from :class:`~.load.WorkerLoad`) its load."""
 
     endpoint: WorkerEndpoint
-    status: str = "registering"  # registering, up, unavailable (503), down
+    # registering, syncing (its KV event history is being replayed), up, unavailable (503),
+    # down
+    status: str = "registering"
     info: WorkerInfo | None = None
     model: str | None = None  # the base model
     models: frozenset[str] = frozenset()  # every id at /v1/models: base and LoRA adapters
@@ -196,6 +202,9 @@ class PoolConfig:
     # predictions (0: not checked), and the agreement under which it loses cache credit
     cache_check_answers: int = 32
     cache_check_flag_below: float = 0.25
+    # the longest a registering worker waits out of rotation for its KV event history
+    # (the publisher's replay buffer) to be in the index
+    index_sync_timeout_s: float = 30.0
     # the pool secret shared with kvpool workers: their KV event sockets want the
     # credential derived from it (never logged)
     pool_secret: str | None = field(default=None, repr=False)
@@ -506,6 +515,24 @@ class WorkerPool:
             # publisher speaks ZMQ's NULL mechanism and would refuse one.
             credential = kv_events_credential(secret) if secret and state.info else None
             self.feed.start(state, *events, credential)
+            state.status = "syncing"
+            started = time.monotonic()
+            if not await self.feed.caught_up(state, self.config.index_sync_timeout_s):
+                log.warning(
+                    "worker %s: its KV event history did not replay within %.0f s; it is in "
+                    "rotation before its index caught up",
+                    state.id,
+                    self.config.index_sync_timeout_s,
+                )
+            elif state.events_seen:
+                log.info(
+                    "worker %s: %d KV events of its history replayed in %.2f s",
+                    state.id,
+                    state.events_seen,
+                    time.monotonic() - started,
+                )
+            if self.workers.get(state.id) is not state or state.status != "syncing":
+                return  # removed, or taken down, while it synced
         state.status = "up"
         self.changed.set()
         log.info(

@@ -118,6 +118,7 @@ class Router(AdminEndpoints):
         self.metrics: RouterMetrics | None = None
         self.gate: Gate | None = None  # admission: tenants, limits, flow control
         self.draining = False
+        self._warm = False  # /health: ready once the workers known at start are in
         self.bound_port: int | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self.forwarder: Forwarder | None = None  # the data path to the workers

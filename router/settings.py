@@ -70,6 +70,9 @@ class RouterSettings(BaseModel):
     health_timeout_s: float = Field(1.0, gt=0)
     scrape_interval_s: float = Field(1.0, gt=0)
     models_interval_s: float = Field(10.0, gt=0)  # /v1/models again: adapters come and go
+    # the longest a worker waits out of rotation for its KV event history to be replayed
+    # into the index (router/pool.py)
+    index_sync_timeout_s: float = Field(30.0, gt=0)
     # reliability
     max_attempts: int = Field(3, ge=1)
     retry_backoff_s: float = Field(0.05, ge=0)

@@ -102,6 +102,47 @@ async def test_a_late_subscriber_catches_up_through_replay_from_zero(
     assert not sub.resyncs
 
 
+async def test_a_long_replay_lets_the_event_loop_run_and_says_when_it_is_in(
+    make_publisher,
+) -> None:
+    """A consumer that applies each replayed batch without awaiting anything (the router's
+    index) still lets the rest of its event loop run between slices of a long history, and
+    ``caught_up`` is set once the history is delivered, not before."""
+    pub = make_publisher(buffer_size=5_000)
+    for i in range(3_000):
+        pub.publish([stored(i)])
+    await wait_for(lambda: pub.next_seq == 3_000)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    seen_at: list[int] = []  # the ticks counted when each replayed batch was delivered
+    early: list[int] = []  # batches delivered after caught_up was set
+
+    async def consume() -> None:
+        async for item in sub:
+            seen_at.append(ticks)
+            if sub.caught_up.is_set():
+                early.append(item.seq)
+
+    ticker = asyncio.create_task(tick())
+    consumer = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(sub.caught_up.wait(), 30)
+        assert len(seen_at) == 3_000 and not early  # set once all of it was delivered
+        assert seen_at[-1] > seen_at[0]  # the loop ran while the history was delivered
+    finally:
+        ticker.cancel()
+        consumer.cancel()
+        sub.close()
+    assert sub.caught_up.is_set()
+
+
 async def test_dropped_messages_are_recovered_through_replay(
     make_publisher, collect, lossy_proxy
 ) -> None:

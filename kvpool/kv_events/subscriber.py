@@ -115,6 +115,8 @@ class SubscriberStats:
 
 #: how many recent batches' digests a subscriber keeps, to know a late copy of one
 RECENT_DIGESTS = 1024
+#: replayed batches delivered between two yields of the event loop
+REPLAY_SLICE = 256
 
 
 def _digest(payload: bytes) -> bytes:
@@ -236,6 +238,10 @@ class EventSubscriber:
         # The payload consumed at tracker.last, to tell the same stream from a new one.
         self._last_payload: bytes | None = None
         self._catch_up_pending = start_seq is not None
+        #: set once the catch-up that ``start_seq`` asks for has ended (every batch the
+        #: replay buffer held delivered, or the replay failed), or at once without one; also
+        #: on :meth:`close`. A consumer that waits on it knows the history is in.
+        self.caught_up = asyncio.Event()
         self._replay_failing = False
         # Digests of the batches consumed lately, by sequence number: a copy of one that
         # comes again (a network or proxy duplicate) is known for what it is.
@@ -290,6 +296,7 @@ class EventSubscriber:
             self._replay = None
 
     def close(self) -> None:
+        self.caught_up.set()  # nothing more will come: a waiter must not wait for it
         self._close_sub()
         self._drop_replay_socket()
 
@@ -311,6 +318,7 @@ class EventSubscriber:
             async for item in self._fill_from(self._start_seq or 0):
                 yield item
         self._catch_up_pending = False
+        self.caught_up.set()
         while True:
             sub, monitor = self._sub, self._monitor
             assert sub is not None and monitor is not None
@@ -465,9 +473,13 @@ class EventSubscriber:
     async def _accept_replayed(
         self, messages: Iterable[tuple[int, bytes]]
     ) -> AsyncIterator[Delivery]:
-        for seq, payload in messages:
+        for n, (seq, payload) in enumerate(messages, 1):
             async for item in self._accept(seq, payload, replayed=True):
                 yield item
+            if n % REPLAY_SLICE == 0:
+                # A full buffer (vLLM keeps 10,000 batches) takes its consumer seconds to
+                # apply: let the rest of the event loop run between slices of it.
+                await asyncio.sleep(0)
 
     async def _resume(self, *, strict: bool) -> AsyncIterator[Delivery]:
         """Bring the subscriber up to date from the replay buffer, first making sure that
