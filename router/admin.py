@@ -6,6 +6,7 @@ load, and the feed (:mod:`.feed`) writes the index."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,9 @@ class AdminEndpoints:
         # should be on (its share of the traffic), and how many of its blocks make a holder
         req = self._route_request(routed, observe=False)
         answer["spread"] = {"wanted_holders": req.spread_wanted, "depth_blocks": req.spread_depth}
+        # the prefix score's: per worker whose blocks of the prompt a request there is still
+        # prefilling, how many are computed (the rest earn credit by the pool's busy share)
+        answer["computed_blocks"] = req.computed_blocks
         answer["prefix_wait"] = prefix_wait(
             self._pool(), routed, answer, self.settings.leader_blocks(), self.settings.block_size
         )
@@ -134,7 +138,7 @@ def prefix_wait(
         return None
     now = time.monotonic()
     probe = Ticket(0, 0, now, now, keys=routed.keys)
-    found = state.leader(probe, min_blocks, block_size)
+    found = state.leader(probe, min_blocks, block_size, pool.prefill_model(state))
     if found is None:
         return None
     leader, until = found
@@ -142,7 +146,8 @@ def prefix_wait(
         "worker": state.id,
         "leader_age_s": round(now - leader.routed_at, 4),
         "shared_blocks_computing": common_prefix(leader.keys, routed.keys) - leader.credited_blocks,
-        "at_most_s": round(max(until - now, 0.0), 4),
+        # None: no TTFT seen yet, so no bound but the leader's first token
+        "at_most_s": round(max(until - now, 0.0), 4) if math.isfinite(until) else None,
     }
 
 

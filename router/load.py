@@ -23,7 +23,7 @@ import asyncio
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
 
@@ -267,7 +267,11 @@ class WorkerLoad:
             self._load_changed()
 
     def leader(
-        self, follower: Ticket, min_blocks: int, block_size: int
+        self,
+        follower: Ticket,
+        min_blocks: int,
+        block_size: int,
+        model: PrefillModel | Literal["own"] | None = "own",
     ) -> tuple[Ticket, float] | None:
         """The request here still prefilling most of ``follower``'s prompt, and by when it
         should have computed that much, or None when none computes ``min_blocks`` of it.
@@ -279,7 +283,13 @@ class WorkerLoad:
         leads (a stream or a prefill leg), and only one routed before the follower. The
         time: the leader's predicted TTFT for its queue and the blocks they share, from
         when it was routed, times :data:`LEADER_MARGIN` (a prediction that was wrong costs
-        the follower a bounded wait, not a hang)."""
+        the follower a bounded wait, not a hang).
+
+        ``model``: the prefill model the prediction uses, the one routing judges this
+        worker by (its own by default); None while no TTFT has been seen anywhere, when
+        no prediction is worth a cap: the time is then unbounded, and the follower waits
+        for its leader's first token or its end (the leader's own first-token limit
+        bounds that, and a stuck leader would have stalled the follower beside it)."""
         keys = follower.keys
         if not keys or min_blocks <= 0:
             return None
@@ -296,8 +306,28 @@ class WorkerLoad:
                 best, most = t, pending
         if best is None:
             return None
+        if model is None:
+            return best, math.inf
         work = best.queued_ahead + most * block_size  # ahead of it, then the shared blocks
-        return best, best.routed_at + LEADER_MARGIN * self.prefill.predict(work)
+        model = self.prefill if model == "own" else model
+        return best, best.routed_at + LEADER_MARGIN * model.predict(work)
+
+    def computing(self, keys: Sequence[int]) -> int:
+        """How many of the prompt ``keys``' leading blocks are computed here at most: the
+        fewest credited to a request here still prefilling blocks it shares with them
+        (``len(keys)`` when none is). The index counts a routed prompt's blocks as held at
+        once (speculation); a request sent now would find those still being computed,
+        and wait for them (:meth:`leader`) or compute them again."""
+        done = len(keys)
+        if not keys:
+            return 0
+        for t in self.queued.values():
+            if t.first_token_seen or not t.keys or t.credited_blocks >= done:
+                continue
+            shared = common_prefix(t.keys, keys)
+            if shared > t.credited_blocks:
+                done = t.credited_blocks
+        return done
 
     def observe_itl(self, seconds: float) -> None:
         """One reading of the worker's time per output token: a streamed inter-chunk gap,

@@ -114,6 +114,9 @@ class RouteRequest:
     #: traffic (router/heat.py; 0: no opinion), and how many of its blocks make a holder
     spread_wanted: int = 0
     spread_depth: int = 0
+    #: worker -> how many of the prompt's leading blocks are computed there at most (a
+    #: request still prefilling the rest); absent: all it holds
+    computed_blocks: dict[str, int] = field(default_factory=dict)
     # The last token is always computed, so a fully cached prompt still prefills one.
     _most_cached: int = field(init=False, repr=False, compare=False)
     # Within one :meth:`Policy.decide`: each worker's predicted TTFT, computed once for its
@@ -281,26 +284,50 @@ def predicted_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) 
 def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
     """The best cost over each worker's: 1 for the cheapest, 0.5 for twice the cost. A
     worker's cost is its predicted TTFT plus the time it would spend computing again the
-    prompt blocks another worker already holds (at its prefill rate): a spill copies a
-    prefix at the pool's expense, which later requests pay in queueing, and a long prefix
-    costs more than a short one. Among workers holding as much (nothing, say), it is the
-    predicted TTFT alone."""
+    prompt blocks another worker already holds (at its prefill rate), times the share of
+    the pool that is busy: a spill copies a prefix at the pool's expense, which later
+    requests pay in queueing, and a long prefix costs more than a short one; but a copy
+    made by a worker that would otherwise idle costs nobody (the first second of a hot
+    new prefix, when every follower would wait for its holder's first prefill). Among
+    workers holding as much (nothing, say), it is the predicted TTFT alone."""
     known = req._ttft
     cached = {w.id: req.cached_tokens(w) for w in workers}
     most = max(cached.values())
+    # a copy costs the pool the time its busy workers would have spent on other work: on
+    # an idle pool a copy is free, on a busy one it is the whole recomputation
+    busy = _busy_share(workers)
     cost = {}
     for w in workers:
         ttft = known.get(w.id)
         if ttft is None:
             ttft = predicted_ttft(req, w, cached[w.id])
-        cost[w.id] = ttft + (most - cached[w.id]) / w.prefill.rate
+        cost[w.id] = ttft + busy * (most - cached[w.id]) / w.prefill.rate
     best = min(cost.values())
     return {k: best / v if v > 0 else 1.0 for k, v in cost.items()}
 
 
 def _prefix_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
+    """The share of the prompt the worker holds. Blocks a request there is still
+    prefilling (the index has them from speculation) count by the share of the pool that
+    is busy: a request sent now would wait for them, and on a pool with idle workers a
+    copy is as quick and costs nothing (:func:`_ttft_score`); on a busy one, holding them
+    is what keeps a burst with a new prefix together."""
     total = max(req.num_tokens - 1, 1)
-    return {w.id: req.cached_tokens(w) / total for w in workers}
+    done = req.computed_blocks
+    busy = _busy_share(workers) if done else 0.0
+    out = {}
+    for w in workers:
+        cached = req.cached_tokens(w)
+        if w.id in done:
+            computed = min(cached, done[w.id] * req.block_size)
+            cached = computed + busy * (cached - computed)
+        out[w.id] = cached / total
+    return out
+
+
+def _busy_share(workers: list[WorkerView]) -> float:
+    """The share of the eligible workers with a request in flight."""
+    return sum(1 for w in workers if w.in_flight) / len(workers)
 
 
 def _in_flight_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:

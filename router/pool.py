@@ -344,6 +344,13 @@ class WorkerPool:
         """The prefill rate routing uses for each worker whose model is not the prior."""
         return {w: m.rate for w, (m, source) in self.prefill_models().items() if source != "prior"}
 
+    def prefill_model(self, state: WorkerState) -> PrefillModel | None:
+        """The prefill model routing judges ``state`` by (:meth:`prefill_models`, for one
+        worker), or None while it would be the static prior: no TTFT seen in the pool."""
+        if state.prefill.observations >= LEARNED_AFTER:
+            return state.prefill
+        return self._typical_prefill([s.prefill for s in self.workers.values()], time.monotonic())
+
     def _typical_prefill(self, models: list[PrefillModel], now: float) -> PrefillModel | None:
         """The model for workers the router has not yet seen prefill ``LEARNED_AFTER``
         times: the median of the workers' own learned models, or, while no worker has

@@ -634,7 +634,21 @@ class Router(AdminEndpoints):
             affinity=self.sessions.get(routed.session) if routed.session else None,
             spread_wanted=self._spread_wanted(key, pool),
             spread_depth=depth,
+            computed_blocks=self._computed(routed.keys, blocks, pool),
         )
+
+    @staticmethod
+    def _computed(keys: list[int], blocks: dict[str, int], pool: WorkerPool) -> dict[str, int]:
+        """Per worker whose matched blocks a request there is still prefilling: how many of
+        them are computed (the ``prefix`` score credits the rest by how busy the pool is)."""
+        out = {}
+        for wid, n in blocks.items():
+            state = pool.workers.get(wid)
+            if state is not None and n:
+                done = state.computing(keys[:n])
+                if done < n:
+                    out[wid] = done
+        return out
 
     def _spread_wanted(self, key: int | None, pool: WorkerPool) -> int:
         """How many workers should hold the prefix ``key`` (0: no opinion)."""

@@ -267,12 +267,33 @@ def test_kvpool_policy_spills_when_the_holder_has_a_long_prefill_queue() -> None
     assert (d.worker, d.reason) == ("w1", "spill")
 
 
+def test_a_copy_is_free_on_an_idle_pool_and_a_prefix_still_computing_earns_little() -> None:
+    """The first second of one system prompt for every request: the first request computes
+    the 2,000-token prompt on w0 and the second comes before it is done. On an otherwise
+    idle pool, a copy on an idle worker costs nobody anything and starts as soon as the
+    holder's blocks would be ready: the request goes there. Once the pool is busy, the same
+    copy would take an idle worker's time from other requests, and the holder's blocks,
+    even those still being computed, keep it there."""
+
+    def second(busy: bool) -> str:
+        ws = workers(8, in_flight=1 if busy else 0, queued_tokens=300 if busy else 0)
+        ws[0].in_flight, ws[0].queued_tokens = 2, 4500  # the first request, and one more
+        r = RouteRequest(
+            num_tokens=2190, block_size=16, matched_blocks={"w0": 125},
+            computed_blocks={"w0": 0},
+        )  # fmt: skip
+        return Policy.named("kvpool").decide(r, ws).worker or ""
+
+    assert second(busy=False) != "w0"
+    assert second(busy=True) == "w0"
+
+
 def test_a_long_cached_prefix_stays_behind_a_queue_a_short_one_leaves() -> None:
     """Recomputing a prefix another worker holds is charged to the worker that would: the
     same queue that sends a short prompt elsewhere keeps a long one on its holder, whose
     copy would cost the pool as much prefill as the wait (the Mooncake trace's 8k-token
     prefixes were copied this way, at 2 to 3 points of hit ratio each)."""
-    ws = workers(2)
+    ws = workers(2, in_flight=1)  # a busy pool: a copy takes time from other requests
     ws[0].queued_tokens = 20_000  # 2.5 s of prefill at the prior rate
     long = Policy.named("kvpool").decide(req(8346, w0=520), ws)
     assert (long.worker, long.reason) == ("w0", "prefix")

@@ -8,6 +8,7 @@ predicted TTFT: a leader that never answers holds nobody for long."""
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.router.load import Ticket, WorkerLoad, common_prefix
+from kvpool.router.load import PrefillModel, Ticket, WorkerLoad, common_prefix
 
 from conftest import RunningRouter
 from recording_worker import RecordingWorker
@@ -91,6 +92,43 @@ def test_nobody_waits_for_a_few_blocks_a_later_request_or_an_answer_it_cannot_se
     assert load.leader(follower, 4, BS) is None
     assert load.leader(later, 4, BS)[0] is follower
     assert load.leader(later, 0, BS) is None  # 0: waiting is off
+
+
+def test_the_wait_is_bounded_by_the_model_routing_uses_and_unbounded_before_any_ttft() -> None:
+    """A fresh worker's own model is the static prior (8,000 tokens/s, several times a real
+    GPU's rate for a long prompt): a bound from it let the followers go while the first
+    prefill still ran, and slowed it. The bound comes from the model routing judges the
+    worker by; before the router has seen any TTFT there is none worth a cap."""
+    load = WorkerLoad()
+    doc = list(range(100, 160))
+    leader = _begin(load, doc, 0, 0.0)
+    follower = _begin(load, [*doc, 7], 60, 0.1)
+    own = load.leader(follower, 4, BS)
+    assert own is not None and own[0] is leader
+    slower = PrefillModel()
+    for n in (1000, 2000, 4000, 8000):  # a fleet prefilling at 2,000 tokens/s
+        slower.observe(n, 0.05 + n / 2000)
+    found = load.leader(follower, 4, BS, slower)
+    assert found is not None and found[1] > own[1]
+    assert found[1] == pytest.approx(1.5 * slower.predict(60 * BS), rel=0.01)
+    assert load.leader(follower, 4, BS, None) == (leader, math.inf)
+
+
+def test_a_holder_is_credited_the_blocks_a_request_there_has_not_computed_yet_as_none() -> None:
+    """The index counts a routed prompt's blocks as held at once (speculation); what a
+    request sent now would find is what is computed."""
+    load = WorkerLoad()
+    doc = list(range(100, 160))
+    assert load.computing(doc) == 60  # nothing in flight: all it holds
+    a = _begin(load, doc[:20], 0, 0.0)  # computes the first 20
+    assert load.computing(doc) == 0
+    b = _begin(load, doc[:50], 20, 0.1)  # credited a's 20, computes 30 more
+    assert load.computing(doc[:10]) == 0
+    load.first_token(a, 0.5)
+    assert load.computing(doc) == 20  # a's are computed; b still computes from 20
+    load.first_token(b, 0.6)
+    assert load.computing(doc) == 60
+    assert load.computing([1, 2, 3]) == 3  # a prompt it shares nothing with
 
 
 # -- through the router ---------------------------------------------------------------------
