@@ -18,7 +18,10 @@ accept with the values it sends). Requests are streamed ``/v1/completions`` with
 prompt, for every policy: the SGLang router's cache-aware policy keys on the prompt text,
 and a prompt string is exactly what both routers see. Before every run the workers' prefix
 caches are emptied and the router is started afresh; the runs of one workload and rate
-follow each other.
+follow each other. A run starts once the router's ``/health`` says every worker is up,
+which for kvpool's router means its index has replayed the workers' KV event history
+(their replay buffers grow with every run: applied during a run, it slowed its first
+seconds).
 
 Prompts are made of words that are one token each in the model's tokenizer, so n words are
 n tokens, and every workload is deterministic. Arrivals are Poisson at the rate asked for;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ class AdminEndpoints:
 
     draining: bool
     _warm: bool  # every worker known at start was registered and replayed (see health)
+    _first_up: float  # when /health first saw a worker in rotation (0: not yet)
     settings: RouterSettings
     slot: ProcessSlot
     index: BlockIndex
@@ -64,16 +66,20 @@ class AdminEndpoints:
         # worker it knows has been registered and replayed (or found down): ready with the
         # first one, it would send all its traffic there. Later, one worker coming back
         # does not make it unready.
-        syncing = sum(1 for s in pool.workers.values() if s.status == "syncing")
+        statuses = Counter(s.status for s in pool.workers.values())
+        syncing, registering = statuses["syncing"], statuses["registering"]
         if up and not self._warm:
-            self._warm = not any(
-                s.status in ("registering", "syncing") for s in pool.workers.values()
-            )
+            now = time.monotonic()
+            self._first_up = self._first_up or now
+            # bounded: a worker that never settles keeps no router out of service for long
+            late = now - self._first_up > self.settings.index_sync_timeout_s
+            self._warm = late or not (syncing or registering)
         ready = up > 0 and self._warm
         body = {
             "status": "ok" if ready else "syncing" if syncing or up else "no_workers",
             "workers_up": up,
             "workers_syncing": syncing,
+            "workers_registering": registering,
             "process": self.slot.index,
             "requests": self._gate().admitted,  # this process's, since it started
         }
@@ -118,6 +124,14 @@ class AdminEndpoints:
         # the prefix score's: per worker whose blocks of the prompt a request there is still
         # prefilling, how many are computed (the rest earn credit by the pool's busy share)
         answer["computed_blocks"] = req.computed_blocks
+        # ... and, with the ttft score's copy charge, scaled by the share of the eligible
+        # workers with a request in flight
+        eligible = [c for c in answer["candidates"] if c["filtered"] is None]
+        answer["busy_share"] = (
+            round(sum(1 for c in eligible if c["in_flight"]) / len(eligible), 4)
+            if eligible
+            else None
+        )
         answer["prefix_wait"] = prefix_wait(
             self._pool(), routed, answer, self.settings.leader_blocks(), self.settings.block_size
         )

@@ -128,13 +128,17 @@ class IndexFeed:
         """Wait until the worker's event history (its publisher's replay buffer, read from
         the start) is in the index, at most ``timeout`` seconds; whether it is. True at once
         for a worker without an event stream."""
-        sub = state.subscriber
-        if sub is None:
-            return True
-        try:
-            await asyncio.wait_for(sub.caught_up.wait(), timeout)
-        except TimeoutError:
-            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # A stream that fails meanwhile is started again, with a new subscriber: its
+        # replay is the one to wait for.
+        while (sub := state.subscriber) is not None:
+            try:
+                await asyncio.wait_for(sub.caught_up.wait(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                return False
+            if state.subscriber is sub or state.subscriber is None:
+                return True
         return True
 
     def stop(self, state: WorkerState) -> None:
@@ -170,7 +174,7 @@ class IndexFeed:
             log.exception("worker %s: KV event stream failed; restarting it", state.id)
             self.clear(state)
             await asyncio.sleep(1.0)
-            if state.subscriber is sub and state.status == "up":
+            if state.subscriber is sub and state.status in ("up", "syncing"):
                 state.subscriber = state.events_task = None  # this task ends here
                 self.start(state, sub.endpoint, sub.replay_endpoint, sub.topic.decode(), credential)
         finally:

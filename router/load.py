@@ -327,6 +327,8 @@ class WorkerLoad:
             shared = common_prefix(t.keys, keys)
             if shared > t.credited_blocks:
                 done = t.credited_blocks
+                if not done:
+                    break  # none computed: it cannot be fewer
         return done
 
     def observe_itl(self, seconds: float) -> None:

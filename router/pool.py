@@ -498,6 +498,8 @@ class WorkerPool:
                     cards = [{"id": info.served_model_name, "object": "model"}]
         except Exception as exc:  # whatever answers there is not a worker we understand
             log.warning("worker %s: registration failed: %s", state.id, exc)
+            if state.status == "registering":
+                state.status = "unavailable"  # not in rotation, and known not to be coming
             return
         state.info = info
         if state.agreement is not None:

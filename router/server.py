@@ -119,6 +119,7 @@ class Router(AdminEndpoints):
         self.gate: Gate | None = None  # admission: tenants, limits, flow control
         self.draining = False
         self._warm = False  # /health: ready once the workers known at start are in
+        self._first_up = 0.0
         self.bound_port: int | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self.forwarder: Forwarder | None = None  # the data path to the workers

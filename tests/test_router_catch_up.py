@@ -20,12 +20,15 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
 from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher
 from kvpool.kv_events import BlockStored, EventBatch, EventPublisher
 from kvpool.tokenization import load_tokenizer
 
-from recording_worker import RecordingWorker
+from recording_worker import RecordingWorker, serve_in_thread
 
 BS = 16
 HISTORY = 20_000  # batches the worker published before the router came
@@ -116,3 +119,51 @@ def test_a_replay_longer_than_the_sync_timeout_puts_the_worker_in_rotation_with_
     finally:
         worker.stop()
         pub.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_new_router_is_not_ready_while_any_worker_it_knows_is_still_syncing(
+    start_router: Any, llama_dir: Path
+) -> None:
+    """Ready with the first worker in, a new router would send it all of its traffic while
+    the others replayed; a worker that answers its health check but cannot be registered
+    does not keep the router out of service."""
+    worker, pub, _ = _worker_with_history(llama_dir)
+    empty = RecordingWorker()  # no history to replay: in at once
+    broken = Starlette(routes=[Route("/health", lambda r: PlainTextResponse("ok"))])
+    server, thread, port = serve_in_thread(broken, "unregistrable-worker", 0)
+    try:
+        router = start_router(
+            worker=[
+                _spec(worker, pub),
+                f"{empty.url},id=empty",
+                f"http://127.0.0.1:{port},id=broken",
+            ],
+            health_interval_s=0.1,
+        )
+        seen: list[tuple[int, dict[str, str]]] = []  # /health's code, the workers' statuses
+        deadline = time.monotonic() + 60
+        while True:
+            health = httpx.get(router.url + "/health", timeout=10)
+            statuses = {k: w["status"] for k, w in router.workers().items()}
+            seen.append((health.status_code, statuses))
+            if statuses["w"] == "up":
+                break
+            assert time.monotonic() < deadline, seen[-1]
+            time.sleep(0.005)
+        assert any(s == {"w": "syncing", "empty": "up", "broken": "unavailable"}
+                   for _, s in seen), seen[-3:]  # fmt: skip
+        assert all(code == 503 for code, s in seen if s["w"] != "up")
+        router.wait_for(lambda: httpx.get(router.url + "/health", timeout=10).status_code == 200)
+        body = httpx.get(router.url + "/health", timeout=10).json()
+        assert (body["workers_up"], body["workers_syncing"], body["workers_registering"]) == (
+            2,
+            0,
+            0,
+        )
+    finally:
+        worker.stop()
+        empty.stop()
+        pub.close()
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -288,6 +288,21 @@ def test_a_copy_is_free_on_an_idle_pool_and_a_prefix_still_computing_earns_littl
     assert second(busy=True) == "w0"
 
 
+def test_a_held_prefix_is_copied_sooner_while_most_of_the_pool_idles() -> None:
+    """The charge for computing again what the holder has is what the pool loses: the
+    whole prefill when every worker is busy, a quarter of it when three of four idle. The
+    same 3.5 s queue on the holder keeps an 8,000-token prefix there on a busy pool and
+    lets an idle worker copy it on a quiet one."""
+
+    def choose(busy: bool) -> str:
+        ws = workers(4, in_flight=1 if busy else 0)
+        ws[0].in_flight, ws[0].queued_tokens = 1, 28_000  # 3.5 s at the prior rate
+        return Policy.named("kvpool").decide(req(8346, w0=520), ws).worker or ""
+
+    assert choose(busy=True) == "w0"
+    assert choose(busy=False) != "w0"
+
+
 def test_a_long_cached_prefix_stays_behind_a_queue_a_short_one_leaves() -> None:
     """Recomputing a prefix another worker holds is charged to the worker that would: the
     same queue that sends a short prompt elsewhere keeps a long one on its holder, whose

@@ -31,6 +31,7 @@ import asyncio
 import enum
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -115,8 +116,9 @@ class SubscriberStats:
 
 #: how many recent batches' digests a subscriber keeps, to know a late copy of one
 RECENT_DIGESTS = 1024
-#: replayed batches delivered between two yields of the event loop
-REPLAY_SLICE = 256
+#: seconds of replayed batches delivered (and applied by the consumer) between two yields
+#: of the event loop
+REPLAY_SLICE_S = 0.002
 
 
 def _digest(payload: bytes) -> bytes:
@@ -473,13 +475,15 @@ class EventSubscriber:
     async def _accept_replayed(
         self, messages: Iterable[tuple[int, bytes]]
     ) -> AsyncIterator[Delivery]:
-        for n, (seq, payload) in enumerate(messages, 1):
+        # A full buffer (vLLM keeps 10,000 batches) takes its consumer seconds to apply:
+        # the rest of the event loop runs between slices of it.
+        since = time.perf_counter()
+        for seq, payload in messages:
             async for item in self._accept(seq, payload, replayed=True):
                 yield item
-            if n % REPLAY_SLICE == 0:
-                # A full buffer (vLLM keeps 10,000 batches) takes its consumer seconds to
-                # apply: let the rest of the event loop run between slices of it.
+            if time.perf_counter() - since >= REPLAY_SLICE_S:
                 await asyncio.sleep(0)
+                since = time.perf_counter()
 
     async def _resume(self, *, strict: bool) -> AsyncIterator[Delivery]:
         """Bring the subscriber up to date from the replay buffer, first making sure that
