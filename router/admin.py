@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from .load import Ticket, common_prefix
+from .policy import busy_share
 from .request import Kind, parse_body
 
 if TYPE_CHECKING:
@@ -128,9 +129,7 @@ class AdminEndpoints:
         # workers with a request in flight
         eligible = [c for c in answer["candidates"] if c["filtered"] is None]
         answer["busy_share"] = (
-            round(sum(1 for c in eligible if c["in_flight"]) / len(eligible), 4)
-            if eligible
-            else None
+            round(busy_share([c["in_flight"] for c in eligible]), 4) if eligible else None
         )
         answer["prefix_wait"] = prefix_wait(
             self._pool(), routed, answer, self.settings.leader_blocks(), self.settings.block_size
@@ -152,7 +151,7 @@ def prefix_wait(
         return None
     now = time.monotonic()
     probe = Ticket(0, 0, now, now, keys=routed.keys)
-    found = state.leader(probe, min_blocks, block_size, pool.prefill_model(state))
+    found = state.leader(probe, min_blocks, block_size, lambda: pool.prefill_model(state))
     if found is None:
         return None
     leader, until = found

@@ -137,7 +137,7 @@ class IndexFeed:
                 await asyncio.wait_for(sub.caught_up.wait(), max(deadline - loop.time(), 0))
             except TimeoutError:
                 return False
-            if state.subscriber is sub or state.subscriber is None:
+            if state.subscriber is sub:
                 return True
         return True
 

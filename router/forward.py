@@ -311,7 +311,7 @@ class Forwarder:
         it finds them cached instead of computing them a second time beside the first.
         Its ticket is already counted there, so decisions made meanwhile see its load."""
         min_blocks, block_size = self._leader_blocks, self.settings.block_size
-        model = self.pool.prefill_model(state)
+        model = lambda: self.pool.prefill_model(state)  # noqa: E731 - asked only with a leader
         while (found := state.leader(ticket, min_blocks, block_size, model)) is not None:
             leader, until = found
             start = time.monotonic()

@@ -23,7 +23,7 @@ import asyncio
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 __all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
 
@@ -271,7 +271,7 @@ class WorkerLoad:
         follower: Ticket,
         min_blocks: int,
         block_size: int,
-        model: PrefillModel | Literal["own"] | None = "own",
+        model: Callable[[], PrefillModel | None] | None = None,
     ) -> tuple[Ticket, float] | None:
         """The request here still prefilling most of ``follower``'s prompt, and by when it
         should have computed that much, or None when none computes ``min_blocks`` of it.
@@ -285,11 +285,12 @@ class WorkerLoad:
         when it was routed, times :data:`LEADER_MARGIN` (a prediction that was wrong costs
         the follower a bounded wait, not a hang).
 
-        ``model``: the prefill model the prediction uses, the one routing judges this
-        worker by (its own by default); None while no TTFT has been seen anywhere, when
-        no prediction is worth a cap: the time is then unbounded, and the follower waits
-        for its leader's first token or its end (the leader's own first-token limit
-        bounds that, and a stuck leader would have stalled the follower beside it)."""
+        ``model``: gives the prefill model the prediction uses, the one routing judges this
+        worker by (its own without it), asked only when there is a leader (most requests
+        have none); it gives None while no TTFT has been seen anywhere, when no prediction
+        is worth a cap: the time is then unbounded, and the follower waits for its
+        leader's first token or its end (the leader's own first-token limit bounds that,
+        and a stuck leader would have stalled the follower beside it)."""
         keys = follower.keys
         if not keys or min_blocks <= 0:
             return None
@@ -306,11 +307,11 @@ class WorkerLoad:
                 best, most = t, pending
         if best is None:
             return None
-        if model is None:
+        prefill = self.prefill if model is None else model()
+        if prefill is None:
             return best, math.inf
         work = best.queued_ahead + most * block_size  # ahead of it, then the shared blocks
-        model = self.prefill if model == "own" else model
-        return best, best.routed_at + LEADER_MARGIN * model.predict(work)
+        return best, best.routed_at + LEADER_MARGIN * prefill.predict(work)
 
     def computing(self, keys: Sequence[int]) -> int:
         """How many of the prompt ``keys``' leading blocks are computed here at most: the

@@ -67,6 +67,7 @@ __all__ = [
     "RouteRequest",
     "SplitConfig",
     "WorkerView",
+    "busy_share",
 ]
 
 Role = Literal["both", "prefill", "decode"]
@@ -295,7 +296,7 @@ def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float
     most = max(cached.values())
     # a copy costs the pool the time its busy workers would have spent on other work: on
     # an idle pool a copy is free, on a busy one it is the whole recomputation
-    busy = _busy_share(workers)
+    busy = busy_share([w.in_flight for w in workers])
     cost = {}
     for w in workers:
         ttft = known.get(w.id)
@@ -314,7 +315,7 @@ def _prefix_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, flo
     is what keeps a burst with a new prefix together."""
     total = max(req.num_tokens - 1, 1)
     done = req.computed_blocks
-    busy = _busy_share(workers) if done else 0.0
+    busy = busy_share([w.in_flight for w in workers]) if done else 0.0
     out = {}
     for w in workers:
         cached = req.cached_tokens(w)
@@ -325,9 +326,9 @@ def _prefix_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, flo
     return out
 
 
-def _busy_share(workers: list[WorkerView]) -> float:
-    """The share of the eligible workers with a request in flight."""
-    return sum(1 for w in workers if w.in_flight) / len(workers)
+def busy_share(in_flight: Sequence[int]) -> float:
+    """The share of the eligible workers (their requests in flight) that have one."""
+    return sum(1 for n in in_flight if n) / len(in_flight)
 
 
 def _in_flight_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:

@@ -108,10 +108,10 @@ def test_the_wait_is_bounded_by_the_model_routing_uses_and_unbounded_before_any_
     slower = PrefillModel()
     for n in (1000, 2000, 4000, 8000):  # a fleet prefilling at 2,000 tokens/s
         slower.observe(n, 0.05 + n / 2000)
-    found = load.leader(follower, 4, BS, slower)
+    found = load.leader(follower, 4, BS, lambda: slower)
     assert found is not None and found[1] > own[1]
     assert found[1] == pytest.approx(1.5 * slower.predict(60 * BS), rel=0.01)
-    assert load.leader(follower, 4, BS, None) == (leader, math.inf)
+    assert load.leader(follower, 4, BS, lambda: None) == (leader, math.inf)
 
 
 def test_a_holder_is_credited_the_blocks_a_request_there_has_not_computed_yet_as_none() -> None:
