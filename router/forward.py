@@ -205,6 +205,7 @@ class Forwarder:
                     kv_tokens=held,
                     keys=routed.keys,
                     credited_blocks=decision.cached_tokens // s.block_size,
+                    queued_ahead=decision.queued_tokens,
                 )
             else:  # its prefill is pulled: it computes the tail, after the transfer
                 ticket = state.begin(
@@ -358,6 +359,7 @@ class Forwarder:
                 kv_tokens=routed.num_tokens,
                 keys=routed.keys,
                 credited_blocks=decision.cached_tokens // s.block_size,
+                queued_ahead=decision.queued_tokens,
             )
             leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
             try:

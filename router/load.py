@@ -5,6 +5,9 @@ Each worker's load, as the router sees it, is written here and nowhere else:
 * its requests in flight, and the prompt tokens each brought that it has not prefilled
   yet (a :class:`Ticket` from routing to the request's end; its tokens leave the queue at
   the first token, or, for an answer that shows none, when they should have been done);
+  the queue drains at the prefill rate from when the worker began on it
+  (:meth:`WorkerLoad.pending_tokens`): a request sent behind a prefill that is nearly
+  done waits for what is left of it, and one sent behind a prefill just begun, for all;
 * what the other router replicas report they sent it (their rows, summed);
 * its prefill rate (:class:`PrefillModel`), learned from every time to first token seen;
 * its time per output token, from streamed gaps and from its own ITL histogram;
@@ -156,6 +159,9 @@ class WorkerLoad:
     #: decision asks every worker, and most of the time nothing has expired
     _queued_sum: int = field(default=0, repr=False)
     _queued_due: float = field(default=math.inf, repr=False)
+    #: since when the worker has been prefilling what is queued now: when its queue last
+    #: went from empty to not, or a queued request's prefill last ended
+    _drain_from: float = field(default=0.0, repr=False)
 
     def queued_tokens(self, now: float) -> int:
         if now < self._queued_due:
@@ -164,7 +170,17 @@ class WorkerLoad:
         for k in [k for k, t in queued.items() if t.expires_at <= now]:
             del queued[k]
         self._requeue()
+        self._drain_from = now
         return self._queued_sum
+
+    def pending_tokens(self, now: float, rate: float) -> int:
+        """The queued prompt tokens (:meth:`queued_tokens`) the worker has not prefilled
+        yet, at ``rate`` tokens a second since it began on them: a request routed behind a
+        prefill that is nearly done waits for what is left of it, not for all of it."""
+        queued = self.queued_tokens(now)
+        if not queued:
+            return 0
+        return max(0, queued - round((now - self._drain_from) * rate))
 
     def _requeue(self) -> None:
         """Sum the queued tickets again (after some left)."""
@@ -172,9 +188,11 @@ class WorkerLoad:
         self._queued_sum = sum(t.tokens for t in queued.values())
         self._queued_due = min((t.expires_at for t in queued.values()), default=math.inf)
 
-    def _dequeue(self, ticket: Ticket) -> None:
+    def _dequeue(self, ticket: Ticket, now: float | None = None) -> None:
         if self.queued.pop(id(ticket), None) is not None:
             self._queued_sum -= ticket.tokens
+            if now is not None:
+                self._drain_from = now
             if ticket.expires_at == self._queued_due != math.inf:
                 self._requeue()  # the earliest expiry left
 
@@ -189,9 +207,13 @@ class WorkerLoad:
         kv_tokens: int = 0,
         keys: Sequence[int] = (),
         credited_blocks: int = 0,
+        queued_ahead: int | None = None,
     ) -> Ticket:
-        """``learn=False``: a decode leg, whose first token waits for a block transfer as
-        well as for its prefill, so its TTFT would teach the prefill model wrong.
+        """``queued_ahead``: the tokens routing judged ahead of it (what is left of the
+        queue, :meth:`pending_tokens`, at the rate it judged the worker by); by default,
+        at the worker's own rate. ``learn=False``: a decode leg, whose first token waits
+        for a block transfer as well as for its prefill, so its TTFT would teach the
+        prefill model wrong.
         ``shows_first_token``: the router will see its first token (a stream, a prefill
         leg's answer), so its tokens count as queued until then, however long the worker's
         queue has grown. ``keys``: its prompt's block hashes, ``credited_blocks`` of them
@@ -200,7 +222,11 @@ class WorkerLoad:
             tokens=tokens,
             # everything ahead of it there, the other replicas' too: its TTFT waits for
             # all of it, and the prefill model is learned and asked on the same figure
-            queued_ahead=self.queued_tokens(now) + self.peer_queued,
+            queued_ahead=(
+                self.pending_tokens(now, self.prefill.rate) + self.peer_queued
+                if queued_ahead is None
+                else queued_ahead
+            ),
             routed_at=now,
             # A non-streamed answer shows no first token: its tokens leave the queue when
             # they should have been prefilled (twice the prediction, at least 2 s).
@@ -213,6 +239,8 @@ class WorkerLoad:
         )
         self.in_flight += 1
         self.active_tokens += kv_tokens
+        if not self.queued:
+            self._drain_from = now
         self.queued[id(ticket)] = ticket
         self._queued_sum += tokens
         self._queued_due = min(self._queued_due, ticket.expires_at)
@@ -225,7 +253,7 @@ class WorkerLoad:
         if not ticket.first_token_seen:
             ticket.first_token_seen = True
             ticket._done_prefilling()
-            self._dequeue(ticket)
+            self._dequeue(ticket, now)
             if ticket.learn:
                 self.prefill.observe(ticket.queued_ahead + ticket.tokens, ttft)
                 if self.pooled_prefill is not None:

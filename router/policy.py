@@ -92,7 +92,9 @@ class WorkerView:
     breaker_open: bool = False
     compatible: bool = True  # same block size, hash seed and model: its blocks are credit
     in_flight: int = 0  # requests this router has sent it that have not finished
-    queued_tokens: int = 0  # prompt tokens sent to it whose first token has not come back
+    #: prompt tokens sent to it whose first token has not come back, less what it has
+    #: prefilled of them since it began on them (at the rate routing judges it by)
+    queued_tokens: int = 0
     kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
     waiting: int | None = None  # scraped vllm:num_requests_waiting
     prefill: PrefillModel = field(default_factory=PrefillModel)
@@ -166,6 +168,8 @@ class Decision:
     #: it is credited (a worker whose cache disagrees with the index gets no credit, but
     #: its answers are still checked against this)
     matched_tokens: int = 0
+    #: the prompt tokens routing judged queued ahead of it there
+    queued_tokens: int = 0
 
     def explain(self) -> str:
         """``w1: cached 512, queue 0, ttft 41ms, ttft 1.00x1 load 0.80x0.1 = 1.080``..."""
@@ -526,6 +530,7 @@ class Policy:
             matched_tokens=min(
                 req.matched_blocks.get(chosen.id, 0) * req.block_size, req._most_cached
             ),
+            queued_tokens=row.queued_tokens,
         )
 
     def _pick(

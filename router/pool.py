@@ -317,6 +317,10 @@ class WorkerPool:
             for v in views:
                 if v.prefill.observations < LEARNED_AFTER:
                     v.prefill = typical
+        # what is left of each queue, at the rate routing judges the worker by
+        for s, v in zip(self.workers.values(), views, strict=True):
+            if v.queued_tokens:
+                v.queued_tokens = s.pending_tokens(now, v.prefill.rate) + s.peer_queued
         return views
 
     def prefill_models(

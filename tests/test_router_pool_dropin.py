@@ -24,6 +24,7 @@ from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublish
 from kvpool.router.admin import worker_rows
 from kvpool.router.discovery import WorkerEndpoint
 from kvpool.router.index import BlockIndex
+from kvpool.router.load import PrefillModel, WorkerLoad
 from kvpool.router.metrics import RouterMetrics
 from kvpool.router.policy import Policy, RouteRequest, predicted_ttft
 from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState, parse_load
@@ -729,3 +730,53 @@ async def test_a_worker_going_down_leaves_the_index_in_slices_between_other_work
     assert ticks >= 50
     assert pool.index.num_entries() == 1000
     assert pool.index.summary()["distinct_blocks"] == 1000
+
+
+def test_a_queue_drains_at_the_prefill_rate_from_when_the_worker_began_on_it() -> None:
+    """What a worker was sent and has not answered yet is not all still ahead of the next
+    request: it has been prefilling it since its queue last started or a prefill there
+    ended."""
+    load = WorkerLoad(prefill=PrefillModel(rate=4000.0))
+    first = load.begin(4000, 1.0, 10.0, shows_first_token=True)
+    assert load.pending_tokens(10.0, 4000.0) == 4000
+    assert load.pending_tokens(10.5, 4000.0) == 2000
+    second = load.begin(1000, 1.0, 10.6, shows_first_token=True)  # behind the first
+    assert second.queued_ahead == 4000 - 2400  # what was left of the first when it came
+    assert load.pending_tokens(10.9, 4000.0) == 5000 - 3600
+    assert load.queued_tokens(10.9) == 5000  # what it was sent (the metrics' figure)
+    load.first_token(first, 11.2)  # slower than the rate said: the second starts now
+    assert load.pending_tokens(11.2, 4000.0) == 1000
+    assert load.pending_tokens(11.3, 4000.0) == 600
+    load.first_token(second, 11.5)
+    assert load.pending_tokens(11.6, 4000.0) == 0
+
+
+async def test_a_request_goes_behind_a_prefill_nearly_done_not_one_just_begun() -> None:
+    """Two workers were each sent a long prompt: one a second ago, one a moment ago. A new
+    request waits least behind the first, whose prefill is nearly done, though it was sent
+    a little more: the router used to count both queues whole, and chose the second."""
+    async with aiohttp.ClientSession() as client:
+        pool = WorkerPool(PoolConfig(16, SEED, health_interval_s=60.0), BlockIndex(), client)
+        try:
+            pool.set_endpoints(
+                WorkerEndpoint(id=w, url="http://127.0.0.1:9") for w in ("early", "late")
+            )
+            now = time.monotonic()
+            for state in pool.workers.values():
+                state.status = "up"  # no await before the decision: it stays
+                for i in range(12):  # 4,000 tokens a second and 0.1 s of overhead
+                    tokens = 500 + 300 * i
+                    ticket = state.begin(tokens, 0.1, now - 60, shows_first_token=True)
+                    state.first_token(ticket, now - 60 + 0.1 + tokens / 4000)
+                    state.end(ticket)
+            pool.workers["early"].begin(4000, 1.1, now, shows_first_token=True)
+            pool.workers["late"].begin(3900, 1.1, now + 0.9, shows_first_token=True)
+            views = {v.id: v for v in pool.views(now + 1.0)}
+            assert views["early"].queued_tokens == pytest.approx(0, abs=80)
+            assert views["late"].queued_tokens == pytest.approx(3500, abs=80)
+            req = RouteRequest(400, 16, {})
+            decision = Policy.named("kvpool").decide(req, list(views.values()))
+            assert decision.worker == "early"
+            assert decision.predicted_ttft_s == pytest.approx(0.1 + 400 / 4000, abs=0.03)
+        finally:
+            await pool.close()
