@@ -1,12 +1,18 @@
 """How hot each shared prefix is: its share of the pool's recent requests.
 
 A prefix that a large share of the traffic starts with (one system prompt for every
-request, a popular document) is best held by as many workers as that share of the load
-calls for: on a few holders, their decode batches fill while the other workers idle,
-however short their prefill queues look. Its share of the workers, but no more than its
-share of the requests in flight two to a holder, says how many holders it needs. The policy's
-``spread`` scorer asks for a new copy when a prompt's deepest shared prefix has fewer
-holders than that (:meth:`PrefixHeat.holders`); the queue-driven spill stays as it was.
+request, a popular document) is best held by as many workers as its requests' prefill
+calls for: on a few holders, their prefill queues grow while the other workers idle. Its
+share of the workers, but no more than its share of the requests still waiting for their
+first token, three to a holder, says how many holders it needs. That count is Little's
+law on the prefill queue: holders that prefill the prefix's requests as fast as they come
+have a request or two waiting each, however many are decoding; when more wait, the queue
+is growing, and a copy pays for itself. (The requests in flight, decodes included,
+copied one system prompt at 8 requests a second to every worker of eight, each copy
+computing its 2,000 tokens again for requests that a holder's decode batch took on at
+little cost.) The policy's ``spread`` scorer asks for a new copy when a prompt's deepest
+shared prefix has fewer holders than that (:meth:`PrefixHeat.holders`); the queue-driven
+spill stays as it was.
 
 A prefix is named by the key of its last block (a block key names its whole chain): the
 router names a prompt's at a power of two of blocks, at most four fifths of its deepest
@@ -34,7 +40,7 @@ class PrefixHeat:
         half_life_s: float = 10.0,
         capacity: int = 4096,
         min_requests: float = 4.0,
-        per_holder: float = 2.0,
+        per_holder: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if half_life_s <= 0 or capacity < 1:
@@ -42,7 +48,7 @@ class PrefixHeat:
         self._rate = math.log(2) / half_life_s
         self.capacity = capacity
         self.min_requests = min_requests  # a prefix seen fewer times is not judged hot
-        self.per_holder = per_holder  # its requests in flight each holder should carry
+        self.per_holder = per_holder  # its requests still prefilling each holder may have
         self._clock = clock
         self._counts: OrderedDict[int, tuple[float, float]] = OrderedDict()  # key: (n, t)
         self._total = (0.0, clock())
@@ -74,13 +80,14 @@ class PrefixHeat:
         total = self._decayed(self._total, now)
         return min(n / total, 1.0) if total > 0 else 0.0
 
-    def holders(self, share: float, workers: int, in_flight: int) -> int:
+    def holders(self, share: float, workers: int, prefilling: float) -> int:
         """How many of ``workers`` should hold a prefix with this ``share`` of the traffic
-        (:meth:`share`): its share of them, but no more than its share of the requests in
-        flight over the pool (``in_flight``) at ``per_holder`` a holder; at least one. One
-        request at a time needs one holder, however much of the traffic shares the prefix;
-        a prefix a thirty-second of the traffic shares needs one of eight workers, however
-        busy the pool."""
-        by_load = math.ceil(share * in_flight / self.per_holder - 1e-9)
+        (:meth:`share`): its share of them, but no more than its share of the requests
+        still waiting for their first token over the pool (``prefilling``) at
+        ``per_holder`` a holder; at least one. Requests that each finish prefilling before
+        the next comes need one holder, however many are decoding and however much of the
+        traffic shares the prefix; a prefix a thirty-second of the traffic shares needs
+        one of eight workers, however busy the pool."""
+        by_load = math.ceil(share * prefilling / self.per_holder - 1e-9)
         by_share = math.ceil(share * workers - 1e-9)
         return max(1, min(by_load, by_share))

@@ -658,8 +658,14 @@ class Router(AdminEndpoints):
         share = self.heat.share(key)
         if share == 0.0:
             return 0
-        busy = sum(s.in_flight + s.peer_in_flight for s in pool.workers.values())
-        return self.heat.holders(share, len(pool.workers), busy + 1)  # this one too
+        states = pool.workers.values()
+        prefilling = sum(len(s.queued) for s in states)
+        # The other router replicas share their requests in flight and queued tokens, not
+        # which are still prefilling: theirs are taken to be as ours, for their share.
+        ours = sum(s.in_flight for s in states)
+        if ours:
+            prefilling *= (ours + sum(s.peer_in_flight for s in states)) / ours
+        return self.heat.holders(share, len(pool.workers), prefilling + 1)  # this one too
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
         return self.planner.plan(

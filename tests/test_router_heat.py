@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,18 +33,18 @@ def test_a_prefix_share_of_the_traffic_decays_and_names_how_many_should_hold_it(
         heat.observe(None)  # requests sharing nothing count in the total
     half = heat.share(1)
     assert half == pytest.approx(0.5)
-    assert heat.holders(half, 8, in_flight=16) == 4  # half of 16 in flight, two to a holder
-    assert heat.holders(half, 8, in_flight=1) == 1  # one at a time: one holder does
-    assert heat.holders(half, 8, in_flight=100) == 4  # never more than its share of the pool
-    assert heat.holders(half, 2, in_flight=100) == 1
+    assert heat.holders(half, 8, prefilling=24) == 4  # half of 24 prefilling, three a holder
+    assert heat.holders(half, 8, prefilling=1) == 1  # one at a time: one holder does
+    assert heat.holders(half, 8, prefilling=100) == 4  # never more than its share of the pool
+    assert heat.holders(half, 2, prefilling=100) == 1
     heat.observe(2)
     assert heat.share(2) == 0.0 and heat.holders(heat.share(2), 8, 100) == 1  # too rare to call hot
     clock.now = 10.0  # a half-life later, a burst of another prefix
     for _ in range(17):
         heat.observe(3)
     assert heat.share(1) == pytest.approx(4 / (8.5 + 17), rel=0.01)
-    assert heat.holders(heat.share(3), 8, in_flight=16) == 6
-    assert heat.holders(heat.share(3), 32, in_flight=1000) == 22  # 17 of 25.5
+    assert heat.holders(heat.share(3), 8, prefilling=24) == 6
+    assert heat.holders(heat.share(3), 32, prefilling=1000) == 22  # 17 of 25.5
 
 
 def test_heat_remembers_a_bounded_number_of_prefixes() -> None:
@@ -55,9 +56,10 @@ def test_heat_remembers_a_bounded_number_of_prefixes() -> None:
 
 def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_router: Any) -> None:
     """Sent to idle workers, every request would go to the first holder of the system
-    prompt (its TTFT is the shortest); with requests in flight together, its share of
-    them asks for a copy on each worker, made once it has been seen a few times. One at a
-    time, one holder is enough. Dry runs do not count."""
+    prompt (its TTFT is the shortest); with requests waiting for their first token
+    together (a non-streamed answer's comes with all of it), its share of them, three a
+    holder, asks for a copy on each worker, made once it has been seen a few times. One
+    at a time, one holder is enough. Dry runs do not count."""
     fakes = [RecordingWorker() for _ in range(4)]
     try:
         router = start_router(worker=[f.spec(f"w{i}") for i, f in enumerate(fakes)])
@@ -80,11 +82,11 @@ def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_route
         for f in fakes:  # each answer now takes half a second: requests overlap
             f.mode, f.tokens, f.token_interval = "slow", 10, 0.05
         served = set(first)
-        with ThreadPoolExecutor(8) as pool:
-            # bursts of 8 until every worker has served (a loaded machine may overlap
+        with ThreadPoolExecutor(12) as pool:
+            # bursts of 12 until every worker has served (a loaded machine may overlap
             # fewer of them in a burst); a prefix that never spread would stay on few
             for _ in range(8):
-                served |= set(pool.map(lambda _: send(), range(8)))
+                served |= set(pool.map(lambda _: send(), range(12)))
                 if len(served) == 4:
                     break
         assert served == {"w0", "w1", "w2", "w3"}
@@ -93,6 +95,43 @@ def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_route
         assert spread["wanted_holders"] >= 1 and spread["depth_blocks"] == 32
         decisions = httpx.get(router.url + "/metrics", timeout=10).text
         assert 'reason="spread"' in decisions
+    finally:
+        for f in fakes:
+            f.stop()
+
+
+def test_requests_decoding_together_leave_a_prompt_on_the_holder_that_prefills_it_at_once(
+    start_router: Any,
+) -> None:
+    """Five streams at a time share one system prompt, each decoding for about a second
+    and a half after a first token that comes at once. Its holder never has a request
+    waiting for a first token, so nothing calls for a copy: every request goes to the
+    holder and reads the prompt from its cache, however many are decoding together (with
+    holders sized by the requests in flight, this copied the prompt to three workers)."""
+    fakes = [RecordingWorker() for _ in range(4)]
+    try:
+        router = start_router(worker=[f.spec(f"w{i}") for i, f in enumerate(fakes)])
+        router.wait_workers_up(4)
+        for f in fakes:
+            f.mode, f.tokens, f.token_interval = "slow", 30, 0.05
+        system = "you are a careful assistant who answers in full sentences " * 20
+
+        def send(i: int) -> str:
+            if i < 5:  # the streams start a third of a second apart, then follow on
+                time.sleep(i / 3)
+            body = {"model": "tiny", "prompt": system + uuid.uuid4().hex, "stream": True}
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200, r.read()
+                assert any(line.startswith("data: [DONE]") for line in r.iter_lines())
+                return r.headers["x-kvpool-worker"]
+
+        send(5)  # the first holder
+        with ThreadPoolExecutor(5) as pool:
+            served = list(pool.map(send, range(30)))
+        assert len(set(served)) == 1, served
+        decisions = router.metrics()
+        reasons = {dict(labels)["reason"] for name, labels in decisions if "decisions" in name}
+        assert "spread" not in reasons and "prefix" in reasons, reasons
     finally:
         for f in fakes:
             f.stop()
