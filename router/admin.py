@@ -188,6 +188,9 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
                 "queued_prefill_tokens": s.queued_tokens(now),
                 "peers_in_flight": s.peer_in_flight,
                 "peers_queued_prefill_tokens": s.peer_queued,
+                # requests waiting for their first token: what sizes a hot prefix's holders
+                "prefilling": s.prefilling,
+                "peers_prefilling": s.peer_prefilling,
                 # the model routing judges it by, and where that comes from (its own
                 # TTFTs, its peers', or the prior while none was seen)
                 "prefill_rate_tokens_per_s": round(model.rate, 1),

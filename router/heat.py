@@ -4,10 +4,10 @@ A prefix that a large share of the traffic starts with (one system prompt for ev
 request, a popular document) is best held by as many workers as its requests' prefill
 calls for: on a few holders, their prefill queues grow while the other workers idle. Its
 share of the workers, but no more than its share of the requests still waiting for their
-first token, three to a holder, says how many holders it needs. That count is Little's
-law on the prefill queue: holders that prefill the prefix's requests as fast as they come
-have a request or two waiting each, however many are decoding; when more wait, the queue
-is growing, and a copy pays for itself. (The requests in flight, decodes included,
+first token, three to a holder, says how many holders it needs. That count is the
+prefill queue's length, which by Little's law is the requests' rate times their wait for
+a first token: it grows with either, and stays small while the holders keep up, however
+many requests are decoding. (The requests in flight, decodes included,
 copied one system prompt at 8 requests a second to every worker of eight, each copy
 computing its 2,000 tokens again for requests that a holder's decode batch took on at
 little cost.) The policy's ``spread`` scorer asks for a new copy when a prompt's deepest

@@ -153,6 +153,8 @@ class WorkerLoad:
     #: prompt tokens not yet prefilled, their rows summed, each written by its replica
     peer_in_flight: int = 0
     peer_queued: int = 0
+    #: and how many of their requests there still wait for a first token (:attr:`prefilling`)
+    peer_prefilling: int = 0
     #: told of this router's own load here whenever it changes (for the other replicas)
     on_load: Callable[[Any], None] | None = field(default=None, repr=False)
     #: the queued tickets' tokens, summed, and the earliest of their expiries: every
@@ -162,6 +164,13 @@ class WorkerLoad:
     #: since when the worker has been prefilling what is queued now: when its queue last
     #: went from empty to not, or a queued request's prefill last ended
     _drain_from: float = field(default=0.0, repr=False)
+
+    @property
+    def prefilling(self) -> int:
+        """This router's requests here still waiting for their first token, decode legs
+        aside (theirs waits for a transfer too): how many the worker's prefill has to go.
+        A non-streamed answer shows no first token: it counts until its tokens' expiry."""
+        return sum(1 for t in self.queued.values() if t.learn)
 
     def queued_tokens(self, now: float) -> int:
         if now < self._queued_due:

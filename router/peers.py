@@ -64,10 +64,13 @@ _TAG = 16  # bytes of the message's tag
 
 class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     """A replica's rows: worker id -> (requests in flight, prompt tokens queued), the
-    chains of blocks it just sent: (worker, data-parallel rank, block keys), and the
-    conversations it just placed: (table, key, worker), table ``session`` or ``response``.
-    Fields left at their defaults are not sent: a replica of the release before a field
-    was added still reads every message that does not carry it."""
+    chains of blocks it just sent: (worker, data-parallel rank, block keys), the
+    conversations it just placed: (table, key, worker), table ``session`` or ``response``,
+    and per worker its requests there still waiting for their first token (none: not
+    named). Fields left at their defaults are not sent: a replica of the release before a
+    field was added still reads every message that does not carry it, and one of that
+    release reads the fields it knows of a message that does (msgpack arrays: the new
+    fields come last, and are skipped)."""
 
     sender: str
     rows: dict[str, tuple[int, int]]
@@ -75,6 +78,21 @@ class Load(msgspec.Struct, tag="load", array_like=True, omit_defaults=True):
     full: bool = False
     chains: list[tuple[str, int | None, list[int]]] = []
     pins: list[tuple[str, str, str]] = []
+    prefilling: dict[str, int] = {}
+
+
+#: what a replica has on a worker: requests in flight, prompt tokens queued, requests
+#: still waiting for their first token (prefilling)
+Row = tuple[int, int, int]
+
+
+def _load(sender: str, rows: dict[str, Row], **kw: Any) -> Load:
+    return Load(
+        sender,
+        {w: (n, q) for w, (n, q, _) in rows.items()},
+        prefilling={w: p for w, (_, _, p) in rows.items() if p},
+        **kw,
+    )
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -84,9 +102,10 @@ _decoder = msgspec.msgpack.Decoder(Load)
 class PeerLink:
     """One replica's side: publish its own rows and speculations, keep the peers' rows.
 
-    ``on_load(worker_id, in_flight, queued_tokens)`` is called with the peers' sums for a
-    worker whenever they change; ``on_speculated(worker_id, rank, keys)`` for each chain a
-    peer sent; ``on_pinned(table, key, worker_id)`` for each conversation a peer placed.
+    ``on_load(worker_id, in_flight, queued_tokens, prefilling)`` is called with the peers'
+    sums for a worker whenever they change; ``on_speculated(worker_id, rank, keys)`` for
+    each chain a peer sent; ``on_pinned(table, key, worker_id)`` for each conversation a
+    peer placed.
     ``rows()`` gives this replica's own rows (for heartbeats).
     """
 
@@ -95,8 +114,8 @@ class PeerLink:
         bind: str,
         peers: Iterable[str],
         *,
-        rows: Callable[[], dict[str, tuple[int, int]]],
-        on_load: Callable[[str, int, int], None],
+        rows: Callable[[], dict[str, Row]],
+        on_load: Callable[[str, int, int, int], None],
         on_speculated: Callable[[str, int | None, list[int]], None],
         on_pinned: Callable[[str, str, str], None] | None = None,
         secret: str | None = None,
@@ -108,7 +127,7 @@ class PeerLink:
         self.bind_endpoint = bind
         self.heartbeat_s, self.row_ttl_s, self.flush_s = heartbeat_s, row_ttl_s, flush_s
         # what changed since the last message: rows by worker, chains sent
-        self._dirty: dict[str, tuple[int, int]] = {}
+        self._dirty: dict[str, Row] = {}
         self._chains: list[tuple[str, int | None, list[int]]] = []
         self._pins: list[tuple[str, str, str]] = []
         self._flush_at: asyncio.TimerHandle | None = None
@@ -125,9 +144,9 @@ class PeerLink:
         self._pub: zmq.Socket[bytes] | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # peer -> worker -> (in flight, queued, heard at)
-        self._heard: dict[str, dict[str, tuple[int, int, float]]] = {}
-        self._sums: dict[str, tuple[int, int]] = {}
+        # peer -> worker -> (in flight, queued, prefilling, heard at)
+        self._heard: dict[str, dict[str, tuple[int, int, int, float]]] = {}
+        self._sums: dict[str, Row] = {}
         self.endpoint: str | None = None  # where the PUB socket is bound (a port 0 resolved)
         self.received = 0
         self.rejected = 0
@@ -190,8 +209,10 @@ class PeerLink:
 
     # -- what this replica says -----------------------------------------------------------
 
-    def load_changed(self, worker_id: str, in_flight: int, queued_tokens: int) -> None:
-        self._dirty[worker_id] = (in_flight, queued_tokens)
+    def load_changed(
+        self, worker_id: str, in_flight: int, queued_tokens: int, prefilling: int = 0
+    ) -> None:
+        self._dirty[worker_id] = (in_flight, queued_tokens, prefilling)
         self._soon()
 
     def speculated(self, worker_id: str, rank: int | None, keys: list[int]) -> None:
@@ -214,7 +235,7 @@ class PeerLink:
         rows, chains, pins = self._dirty, self._chains, self._pins
         self._dirty, self._chains, self._pins = {}, [], []
         if rows or chains or pins:
-            self._send(Load(self.name, rows, chains=chains, pins=pins))
+            self._send(_load(self.name, rows, chains=chains, pins=pins))
 
     def _send(self, message: Load) -> None:
         if self._pub is None:
@@ -232,7 +253,7 @@ class PeerLink:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
-                self._send(Load(self.name, self._rows(), full=True))
+                self._send(_load(self.name, self._rows(), full=True))
                 self._expire(time.monotonic())
             except Exception:  # the link must outlive a bad moment
                 log.exception("router peers: heartbeat failed")
@@ -278,15 +299,17 @@ class PeerLink:
             touched |= set(rows)
             for worker in set(rows) - set(message.rows):
                 del rows[worker]
+        prefilling = message.prefilling
         for worker, (in_flight, queued) in message.rows.items():
-            rows[worker] = (max(0, in_flight), max(0, queued), now)
+            waiting = max(0, prefilling.get(worker, 0))
+            rows[worker] = (max(0, in_flight), max(0, queued), waiting, now)
         for worker in touched:
             self._resum(worker)
 
     def _expire(self, now: float) -> None:
         for peer in list(self._heard):
             rows = self._heard[peer]
-            stale = [w for w, (_, _, at) in rows.items() if now - at > self.row_ttl_s]
+            stale = [w for w, (*_, at) in rows.items() if now - at > self.row_ttl_s]
             for worker in stale:
                 del rows[worker]
                 self._resum(worker)
@@ -294,15 +317,16 @@ class PeerLink:
                 del self._heard[peer]
 
     def _resum(self, worker: str) -> None:
-        in_flight = queued = 0
+        in_flight = queued = prefilling = 0
         for rows in self._heard.values():
             row = rows.get(worker)
             if row is not None:
                 in_flight += row[0]
                 queued += row[1]
-        if self._sums.get(worker, (0, 0)) != (in_flight, queued):
-            self._sums[worker] = (in_flight, queued)
-            self._on_load(worker, in_flight, queued)
+                prefilling += row[2]
+        if self._sums.get(worker, (0, 0, 0)) != (in_flight, queued, prefilling):
+            self._sums[worker] = (in_flight, queued, prefilling)
+            self._on_load(worker, in_flight, queued, prefilling)
 
     def summary(self) -> dict[str, Any]:
         """For ``/debug/peers``: who was heard, and what they have on each worker."""
@@ -316,7 +340,12 @@ class PeerLink:
             "pins_received": self.pins_received,
             "heard": {
                 peer: {
-                    w: {"in_flight": r[0], "queued_tokens": r[1], "age_s": round(now - r[2], 3)}
+                    w: {
+                        "in_flight": r[0],
+                        "queued_tokens": r[1],
+                        "prefilling": r[2],
+                        "age_s": round(now - r[3], 3),
+                    }
                     for w, r in rows.items()
                 }
                 for peer, rows in self._heard.items()

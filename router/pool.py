@@ -242,7 +242,7 @@ class WorkerPool:
         self.changed = asyncio.Event()  # set when a worker becomes routable
         #: the other router replicas (router.peers.PeerLink), when there are any
         self.peers: Any = None
-        self._peer_load: dict[str, tuple[int, int]] = {}  # worker -> the peers' sums
+        self._peer_load: dict[str, tuple[int, int, int]] = {}  # worker -> the peers' sums
 
     # -- membership (from discovery) ------------------------------------------------------
 
@@ -266,7 +266,9 @@ class WorkerPool:
         state.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
         if self.peers is not None:
             state.on_load = self._own_load_changed
-        state.peer_in_flight, state.peer_queued = self._peer_load.get(endpoint.id, (0, 0))
+        state.peer_in_flight, state.peer_queued, state.peer_prefilling = self._peer_load.get(
+            endpoint.id, (0, 0, 0)
+        )
         cfg = self.config
         if cfg.cache_check_answers > 0:
             check = AgreementConfig(
@@ -669,20 +671,26 @@ class WorkerPool:
     def _own_load_changed(self, state: WorkerState) -> None:
         if self.peers is not None:
             self.peers.load_changed(
-                state.id, state.in_flight, state.queued_tokens(time.monotonic())
+                state.id, state.in_flight, state.queued_tokens(time.monotonic()), state.prefilling
             )
 
-    def own_rows(self) -> dict[str, tuple[int, int]]:
-        """This router's load on every worker: (requests in flight, prompt tokens queued)."""
+    def own_rows(self) -> dict[str, tuple[int, int, int]]:
+        """This router's load on every worker: (requests in flight, prompt tokens queued,
+        requests still waiting for their first token)."""
         now = time.monotonic()
-        return {s.id: (s.in_flight, s.queued_tokens(now)) for s in self.workers.values()}
+        return {
+            s.id: (s.in_flight, s.queued_tokens(now), s.prefilling) for s in self.workers.values()
+        }
 
-    def peer_load(self, worker_id: str, in_flight: int, queued_tokens: int) -> None:
+    def peer_load(
+        self, worker_id: str, in_flight: int, queued_tokens: int, prefilling: int
+    ) -> None:
         """The other replicas' load on a worker, summed (kept for a worker not seen yet)."""
-        self._peer_load[worker_id] = (in_flight, queued_tokens)
+        self._peer_load[worker_id] = (in_flight, queued_tokens, prefilling)
         state = self.workers.get(worker_id)
         if state is not None:
             state.peer_in_flight, state.peer_queued = in_flight, queued_tokens
+            state.peer_prefilling = prefilling
 
 
 def _raise_for_status(path: str, status: int) -> None:

@@ -658,13 +658,8 @@ class Router(AdminEndpoints):
         share = self.heat.share(key)
         if share == 0.0:
             return 0
-        states = pool.workers.values()
-        prefilling = sum(len(s.queued) for s in states)
-        # The other router replicas share their requests in flight and queued tokens, not
-        # which are still prefilling: theirs are taken to be as ours, for their share.
-        ours = sum(s.in_flight for s in states)
-        if ours:
-            prefilling *= (ours + sum(s.peer_in_flight for s in states)) / ours
+        # the requests still waiting for a first token, the other router replicas' too
+        prefilling = sum(s.prefilling + s.peer_prefilling for s in pool.workers.values())
         return self.heat.holders(share, len(pool.workers), prefilling + 1)  # this one too
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:

@@ -16,6 +16,8 @@ import zmq.asyncio
 from kvpool.router.peers import Load, PeerLink, _encoder
 from kvpool.stack import free_port
 
+from recording_worker import RecordingWorker
+
 pytestmark = pytest.mark.timeout(120)
 
 # the drop-in tests' recording workers, as a fixture of this module too
@@ -26,20 +28,25 @@ class Side:
     """One replica's link, and what it was told by the others."""
 
     def __init__(self, port: int, peers: list[int], secret: str | None = "s" * 32, **kw: Any):
-        self.rows: dict[str, tuple[int, int]] = {}
+        self.rows: dict[str, tuple[int, int, int]] = {}
         self.load: dict[str, tuple[int, int]] = {}
+        self.prefilling: dict[str, int] = {}
         self.speculated: list[tuple[str, int | None, list[int]]] = []
         self.pinned: list[tuple[str, str, str]] = []
         self.link = PeerLink(
             f"tcp://127.0.0.1:{port}",
             [f"tcp://127.0.0.1:{p}" for p in peers],
             rows=lambda: dict(self.rows),
-            on_load=lambda w, n, q: self.load.__setitem__(w, (n, q)),
+            on_load=self._loaded,
             on_speculated=lambda w, r, k: self.speculated.append((w, r, k)),
             on_pinned=lambda t, k, w: self.pinned.append((t, k, w)),
             secret=secret,
             **kw,
         )
+
+    def _loaded(self, worker: str, in_flight: int, queued: int, prefilling: int) -> None:
+        self.load[worker] = (in_flight, queued)
+        self.prefilling[worker] = prefilling
 
 
 async def until(condition: Any, timeout: float = 5.0) -> None:
@@ -55,7 +62,7 @@ async def linked(**kw: Any) -> tuple[Side, Side]:
     a.link.start()
     b.link.start()
     # ZMQ's slow joiner: until a heartbeat of each has crossed, messages may be dropped
-    a.rows["warm"] = b.rows["warm"] = (0, 0)
+    a.rows["warm"] = b.rows["warm"] = (0, 0, 0)
     await until(lambda: a.link.received and b.link.received)
     return a, b
 
@@ -63,16 +70,18 @@ async def linked(**kw: Any) -> tuple[Side, Side]:
 async def test_each_replica_sees_the_others_load_and_speculations() -> None:
     a, b = await linked(heartbeat_s=0.05)
     try:
-        a.link.load_changed("w1", 3, 900)
+        a.link.load_changed("w1", 3, 900, 2)
         await until(lambda: b.load.get("w1") == (3, 900))
+        assert b.prefilling["w1"] == 2  # two of the three still wait for a first token
         b.link.load_changed("w1", 2, 100)
         await until(lambda: a.load.get("w1") == (2, 100))
         assert b.load["w1"] == (3, 900)  # its own row is not among the peers'
         a.link.speculated("w2", None, [11, 22, 33])
         await until(lambda: b.speculated == [("w2", None, [11, 22, 33])])
         # a heartbeat that no longer names a worker ends the sender's load there
-        a.rows = {"w3": (1, 0)}
+        a.rows = {"w3": (1, 0, 1)}
         await until(lambda: b.load.get("w1") == (0, 0) and b.load.get("w3") == (1, 0))
+        assert b.prefilling == {"w1": 0, "w3": 1}
     finally:
         for side in (a, b):
             await side.link.close()
@@ -103,9 +112,11 @@ def test_a_message_of_the_release_before_pins_is_still_read() -> None:
     old = msgspec.msgpack.encode(Before("old", {"w1": (1, 2)}, chains=[("w1", None, [5])]))
     got = msgspec.msgpack.decode(old, type=Load)
     assert got.rows == {"w1": (1, 2)} and got.chains == [("w1", None, [5])] and got.pins == []
-    # and what the new release sends without pins, the old one reads
+    # and what the new release sends, its requests prefilling too, the old one reads
     new = _encoder.encode(Load("new", {"w1": (3, 4)}, full=True))
     assert msgspec.msgpack.decode(new, type=Before).rows == {"w1": (3, 4)}
+    newer = _encoder.encode(Load("new", {"w1": (3, 4)}, prefilling={"w1": 2}))
+    assert msgspec.msgpack.decode(newer, type=Before).rows == {"w1": (3, 4)}
 
 
 async def test_a_silent_replica_s_rows_expire() -> None:
@@ -113,7 +124,7 @@ async def test_a_silent_replica_s_rows_expire() -> None:
     try:
         a.link.load_changed("w1", 5, 0)
         await until(lambda: b.load.get("w1") == (5, 0))
-        a.rows["w1"] = (5, 0)
+        a.rows["w1"] = (5, 0, 0)
         await a.link.close()  # cut off: its rows age out at b
         await until(lambda: b.load.get("w1") == (0, 0), timeout=3)
     finally:
@@ -205,3 +216,49 @@ def test_a_stored_response_is_continued_on_its_worker_through_the_other_replica(
         again = httpx.post(rb.url + "/v1/responses", json=follow, timeout=10)
         assert again.status_code == 200
         assert again.headers["x-kvpool-worker"] == worker
+
+
+async def test_a_replica_copies_a_hot_prefix_for_the_requests_its_peers_have_prefilling(
+    start_router: Any,
+) -> None:
+    """A replica with nothing of its own in flight still sizes a hot prefix's holders by
+    the requests its peers have waiting for a first token: twelve of them on the holder
+    ask for every one of four workers (three a holder); once they have their first
+    tokens, one holder does again. Behind ``--processes N`` an idle process is the common case."""
+    fakes = [RecordingWorker() for _ in range(4)]
+    pr, ps = free_port(), free_port()
+    router = start_router(
+        worker=[f.spec(f"w{i}") for i, f in enumerate(fakes)],
+        peer_bind=f"tcp://127.0.0.1:{pr}",
+        peer=[f"tcp://127.0.0.1:{ps}"],
+        pool_secret="s" * 32,
+    )
+    router.debug_headers = {"authorization": "Bearer " + "s" * 32}
+    side = Side(ps, [pr], heartbeat_s=0.05)
+    try:
+        router.wait_workers_up(4)
+        side.link.start()
+        system = "you are a careful assistant who answers in full sentences " * 20
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
+            for i in range(8):  # seen eight times, one at a time: hot, on one holder
+                body = {"model": "tiny", "prompt": system + f"question {i}", "max_tokens": 1}
+                resp = await client.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+        holder = resp.headers["x-kvpool-worker"]
+
+        def wanted() -> int:
+            return int(router.route({"prompt": system + "?"})["spread"]["wanted_holders"])
+
+        assert wanted() == 1
+        side.rows = {holder: (12, 0, 12)}
+        side.link.load_changed(holder, 12, 0, 12)
+        await until(lambda: router.workers()[holder]["peers_prefilling"] == 12)
+        assert wanted() == 4
+        side.rows = {holder: (12, 0, 0)}  # first tokens out, decoding on
+        side.link.load_changed(holder, 12, 0, 0)
+        await until(lambda: router.workers()[holder]["peers_prefilling"] == 0)
+        assert wanted() == 1
+    finally:
+        await side.link.close()
+        for f in fakes:
+            f.stop()
