@@ -1117,7 +1117,12 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         f"per run{MOONCAKE_NOTE if 'mooncake' in results else ''}. Whole "
         f"benchmark {meta['wall_s'] / 60:.1f} min; load average {load_before:.2f} before, "
         f"{load_after:.2f} after (other processes share this machine's cores).\n\n"
-        "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
+        + "".join(
+            f"Run again after it, their rows replacing the whole run's: "
+            f"{', '.join(r['workloads'])} ({r['date']}, {r['wall_s'] / 60:.1f} min): {r['why']}\n\n"
+            for r in meta.get("reruns", ())
+        )
+        + "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
         "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
         "sampled from the workers' gauges every 0.25 s). p90 / kvpool's: a policy's TTFT p90 "
         "over kvpool's at the same rate (above 1: kvpool's is lower). What the path adds to "

@@ -10,9 +10,11 @@ a first token: it grows with either, and stays small while the holders keep up, 
 many requests are decoding. (The requests in flight, decodes included,
 copied one system prompt at 8 requests a second to every worker of eight, each copy
 computing its 2,000 tokens again for requests that a holder's decode batch took on at
-little cost.) The policy's ``spread`` scorer asks for a new copy when a prompt's deepest
-shared prefix has fewer holders than that (:meth:`PrefixHeat.holders`); the queue-driven
-spill stays as it was.
+little cost.) A session's first request is the exception: the session's later steps stay
+where it goes, so for it the requests in flight, decodes included, size the holders
+(``SESSION_PER_HOLDER`` a holder). The policy's ``spread`` scorer asks for a new copy when
+a prompt's deepest shared prefix has fewer holders than that (:meth:`PrefixHeat.holders`);
+the queue-driven spill stays as it was.
 
 A prefix is named by the key of its last block (a block key names its whole chain): the
 router names a prompt's at a power of two of blocks, at most four fifths of its deepest
@@ -29,7 +31,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-__all__ = ["PrefixHeat"]
+__all__ = ["SESSION_PER_HOLDER", "PrefixHeat"]
+
+#: requests in flight a holder of a prefix that sessions start with should carry
+SESSION_PER_HOLDER = 2.0
 
 
 class PrefixHeat:
@@ -80,14 +85,21 @@ class PrefixHeat:
         total = self._decayed(self._total, now)
         return min(n / total, 1.0) if total > 0 else 0.0
 
-    def holders(self, share: float, workers: int, prefilling: float) -> int:
+    def holders(self, share: float, workers: int, load: float, *, session: bool = False) -> int:
         """How many of ``workers`` should hold a prefix with this ``share`` of the traffic
-        (:meth:`share`): its share of them, but no more than its share of the requests
-        still waiting for their first token over the pool (``prefilling``) at
-        ``per_holder`` a holder; at least one. Requests that each finish prefilling before
-        the next comes need one holder, however many are decoding and however much of the
-        traffic shares the prefix; a prefix a thirty-second of the traffic shares needs
-        one of eight workers, however busy the pool."""
-        by_load = math.ceil(share * prefilling / self.per_holder - 1e-9)
+        (:meth:`share`): its share of them, but no more than its share of ``load``, the
+        requests still waiting for their first token over the pool, at ``per_holder`` a
+        holder; at least one. Requests that each finish prefilling before the next comes
+        need one holder, however many are decoding and however much of the traffic shares
+        the prefix; a prefix a thirty-second of the traffic shares needs one of eight
+        workers, however busy the pool.
+
+        For a request that starts a session (``session``), ``load`` is the requests in
+        flight, decodes included, at ``SESSION_PER_HOLDER`` a holder: the session's later
+        steps stay where it goes (their own context is there), so where its first request
+        goes places their load too, and a prefix that sessions start with (an agent's
+        system prompt) on a few holders gathers the sessions there."""
+        per_holder = SESSION_PER_HOLDER if session else self.per_holder
+        by_load = math.ceil(share * load / per_holder - 1e-9)
         by_share = math.ceil(share * workers - 1e-9)
         return max(1, min(by_load, by_share))

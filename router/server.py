@@ -627,13 +627,15 @@ class Router(AdminEndpoints):
         if observe and not routed.heat_seen:
             routed.heat_seen = True
             self.heat.observe(key)
+        affinity = self.sessions.get(routed.session) if routed.session else None
+        starts = routed.session is not None and affinity is None  # a session's first request
         return RouteRequest(
             num_tokens=routed.num_tokens,
             block_size=self.settings.block_size,
             matched_blocks=blocks,
             model=routed.model,
-            affinity=self.sessions.get(routed.session) if routed.session else None,
-            spread_wanted=self._spread_wanted(key, pool),
+            affinity=affinity,
+            spread_wanted=self._spread_wanted(key, pool, starts_session=starts),
             spread_depth=depth,
             computed_blocks=self._computed(routed.keys, blocks, pool),
         )
@@ -651,16 +653,21 @@ class Router(AdminEndpoints):
                     out[wid] = done
         return out
 
-    def _spread_wanted(self, key: int | None, pool: WorkerPool) -> int:
-        """How many workers should hold the prefix ``key`` (0: no opinion)."""
+    def _spread_wanted(self, key: int | None, pool: WorkerPool, *, starts_session: bool) -> int:
+        """How many workers should hold the prefix ``key`` (0: no opinion), for a request
+        that ``starts_session`` or not (:meth:`PrefixHeat.holders`)."""
         if key is None:
             return 0
         share = self.heat.share(key)
         if share == 0.0:
             return 0
-        # the requests still waiting for a first token, the other router replicas' too
-        prefilling = sum(s.prefilling + s.peer_prefilling for s in pool.workers.values())
-        return self.heat.holders(share, len(pool.workers), prefilling + 1)  # this one too
+        states = pool.workers.values()
+        if starts_session:
+            load = sum(s.in_flight + s.peer_in_flight for s in states)
+        else:  # the requests still waiting for a first token, the other replicas' too
+            load = sum(s.prefilling + s.peer_prefilling for s in states)
+        workers = len(pool.workers)
+        return self.heat.holders(share, workers, load + 1, session=starts_session)  # +1: this one
 
     def _plan(self, routed: Routed, *, dry_run: bool = False) -> Plan:
         return self.planner.plan(

@@ -33,18 +33,20 @@ def test_a_prefix_share_of_the_traffic_decays_and_names_how_many_should_hold_it(
         heat.observe(None)  # requests sharing nothing count in the total
     half = heat.share(1)
     assert half == pytest.approx(0.5)
-    assert heat.holders(half, 8, prefilling=24) == 4  # half of 24 prefilling, three a holder
-    assert heat.holders(half, 8, prefilling=1) == 1  # one at a time: one holder does
-    assert heat.holders(half, 8, prefilling=100) == 4  # never more than its share of the pool
-    assert heat.holders(half, 2, prefilling=100) == 1
+    assert heat.holders(half, 8, load=24) == 4  # half of 24 prefilling, three a holder
+    assert heat.holders(half, 8, load=1) == 1  # one at a time: one holder does
+    # a session's first request: the requests in flight, two a holder
+    assert heat.holders(half, 8, load=16, session=True) == 4
+    assert heat.holders(half, 8, load=100) == 4  # never more than its share of the pool
+    assert heat.holders(half, 2, load=100) == 1
     heat.observe(2)
     assert heat.share(2) == 0.0 and heat.holders(heat.share(2), 8, 100) == 1  # too rare to call hot
     clock.now = 10.0  # a half-life later, a burst of another prefix
     for _ in range(17):
         heat.observe(3)
     assert heat.share(1) == pytest.approx(4 / (8.5 + 17), rel=0.01)
-    assert heat.holders(heat.share(3), 8, prefilling=24) == 6
-    assert heat.holders(heat.share(3), 32, prefilling=1000) == 22  # 17 of 25.5
+    assert heat.holders(heat.share(3), 8, load=24) == 6
+    assert heat.holders(heat.share(3), 32, load=1000) == 22  # 17 of 25.5
 
 
 def test_heat_remembers_a_bounded_number_of_prefixes() -> None:
@@ -100,14 +102,11 @@ def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_route
             f.stop()
 
 
-def test_requests_decoding_together_leave_a_prompt_on_the_holder_that_prefills_it_at_once(
-    start_router: Any,
-) -> None:
+def streams_sharing_a_prompt(start_router: Any, sessions: bool) -> tuple[list[str], set[str]]:
     """Five streams at a time share one system prompt, each decoding for about a second
-    and a half after a first token that comes at once. Its holder never has a request
-    waiting for a first token, so nothing calls for a copy: every request goes to the
-    holder and reads the prompt from its cache, however many are decoding together (with
-    holders sized by the requests in flight, this copied the prompt to three workers)."""
+    and a half after a first token that comes at once (``sessions``: each the first
+    request of its own session, ``x-session-id``). The workers that served them, in
+    order, and the reasons of the router's decisions."""
     fakes = [RecordingWorker() for _ in range(4)]
     try:
         router = start_router(worker=[f.spec(f"w{i}") for i, f in enumerate(fakes)])
@@ -120,7 +119,9 @@ def test_requests_decoding_together_leave_a_prompt_on_the_holder_that_prefills_i
             if i < 5:  # the streams start a third of a second apart, then follow on
                 time.sleep(i / 3)
             body = {"model": "tiny", "prompt": system + uuid.uuid4().hex, "stream": True}
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+            headers = {"x-session-id": uuid.uuid4().hex} if sessions else {}
+            url = router.url + "/v1/completions"
+            with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
                 assert r.status_code == 200, r.read()
                 assert any(line.startswith("data: [DONE]") for line in r.iter_lines())
                 return r.headers["x-kvpool-worker"]
@@ -128,10 +129,30 @@ def test_requests_decoding_together_leave_a_prompt_on_the_holder_that_prefills_i
         send(5)  # the first holder
         with ThreadPoolExecutor(5) as pool:
             served = list(pool.map(send, range(30)))
-        assert len(set(served)) == 1, served
         decisions = router.metrics()
         reasons = {dict(labels)["reason"] for name, labels in decisions if "decisions" in name}
-        assert "spread" not in reasons and "prefix" in reasons, reasons
+        return served, reasons
     finally:
         for f in fakes:
             f.stop()
+
+
+def test_requests_decoding_together_leave_a_prompt_on_the_holder_that_prefills_it_at_once(
+    start_router: Any,
+) -> None:
+    """The prompt's holder never has a request waiting for a first token, so nothing
+    calls for a copy: every request goes to the holder and reads the prompt from its
+    cache, however many are decoding together (with holders sized by the requests in
+    flight, this copied the prompt to three workers)."""
+    served, reasons = streams_sharing_a_prompt(start_router, sessions=False)
+    assert len(set(served)) == 1, served
+    assert "spread" not in reasons and "prefix" in reasons, reasons
+
+
+def test_sessions_starting_from_one_prompt_spread_over_the_workers(start_router: Any) -> None:
+    """The same streams, each starting a session: a session's later steps stay where its
+    first request went, so its first request sizes the prompt's holders by the requests in
+    flight, two a holder, and the sessions spread (an agent's system prompt)."""
+    served, reasons = streams_sharing_a_prompt(start_router, sessions=True)
+    assert len(set(served)) >= 3, served
+    assert "spread" in reasons, reasons
