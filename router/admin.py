@@ -119,9 +119,18 @@ class AdminEndpoints:
         routed = await self._parse(request, body, kind, check_model=False)
         answer = route_answer(routed, self._plan(routed, dry_run=True))
         # the spread score's grounds: how many workers the prompt's hottest shared prefix
-        # should be on (its share of the traffic), and how many of its blocks make a holder
+        # should be on (its share of the traffic), by what load, and how many of its blocks
+        # make a holder
         req = self._route_request(routed, observe=False)
-        answer["spread"] = {"wanted_holders": req.spread_wanted, "depth_blocks": req.spread_depth}
+        answer["spread"] = {
+            "wanted_holders": req.spread_wanted,
+            "sized_by": (
+                "requests in flight, two a holder (a session's first request)"
+                if req.starts_session
+                else "requests waiting for a first token, three a holder"
+            ),
+            "depth_blocks": req.spread_depth,
+        }
         # the prefix score's: per worker whose blocks of the prompt a request there is still
         # prefilling, how many are computed (the rest earn credit by the pool's busy share)
         answer["computed_blocks"] = req.computed_blocks

@@ -169,7 +169,8 @@ class WorkerLoad:
     def prefilling(self) -> int:
         """This router's requests here still waiting for their first token, decode legs
         aside (theirs waits for a transfer too): how many the worker's prefill has to go.
-        A non-streamed answer shows no first token: it counts until its tokens' expiry."""
+        A non-streamed answer shows no first token: it counts until its tokens have expired
+        and the queue was last looked at (:meth:`queued_tokens`)."""
         return sum(1 for t in self.queued.values() if t.learn)
 
     def queued_tokens(self, now: float) -> int:

@@ -117,6 +117,9 @@ class RouteRequest:
     #: traffic (router/heat.py; 0: no opinion), and how many of its blocks make a holder
     spread_wanted: int = 0
     spread_depth: int = 0
+    #: a session's first request: its holders were sized by the requests in flight, not
+    #: by those waiting for a first token (for ``/debug/route``)
+    starts_session: bool = False
     #: worker -> how many of the prompt's leading blocks are computed there at most (a
     #: request still prefilling the rest); absent: all it holds
     computed_blocks: dict[str, int] = field(default_factory=dict)

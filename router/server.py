@@ -636,6 +636,7 @@ class Router(AdminEndpoints):
             model=routed.model,
             affinity=affinity,
             spread_wanted=self._spread_wanted(key, pool, starts_session=starts),
+            starts_session=starts,
             spread_depth=depth,
             computed_blocks=self._computed(routed.keys, blocks, pool),
         )
