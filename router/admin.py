@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from .heat import SESSION_PER_HOLDER, PrefixHeat
 from .load import Ticket, common_prefix
 from .policy import busy_share
 from .request import Kind, parse_body
@@ -44,6 +45,7 @@ class AdminEndpoints:
     slot: ProcessSlot
     index: BlockIndex
     peers: PeerLink | None
+    heat: PrefixHeat
 
     if TYPE_CHECKING:
 
@@ -125,9 +127,9 @@ class AdminEndpoints:
         answer["spread"] = {
             "wanted_holders": req.spread_wanted,
             "sized_by": (
-                "requests in flight, two a holder (a session's first request)"
+                f"requests in flight, {SESSION_PER_HOLDER:g} a holder (a session's first request)"
                 if req.starts_session
-                else "requests waiting for a first token, three a holder"
+                else f"requests waiting for a first token, {self.heat.per_holder:g} a holder"
             ),
             "depth_blocks": req.spread_depth,
         }

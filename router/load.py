@@ -161,6 +161,8 @@ class WorkerLoad:
     #: decision asks every worker, and most of the time nothing has expired
     _queued_sum: int = field(default=0, repr=False)
     _queued_due: float = field(default=math.inf, repr=False)
+    #: how many of them measure its prefill (:attr:`prefilling`), kept with the sum
+    _queued_learning: int = field(default=0, repr=False)
     #: since when the worker has been prefilling what is queued now: when its queue last
     #: went from empty to not, or a queued request's prefill last ended
     _drain_from: float = field(default=0.0, repr=False)
@@ -171,7 +173,7 @@ class WorkerLoad:
         aside (theirs waits for a transfer too): how many the worker's prefill has to go.
         A non-streamed answer shows no first token: it counts until its tokens have expired
         and the queue was last looked at (:meth:`queued_tokens`)."""
-        return sum(1 for t in self.queued.values() if t.learn)
+        return self._queued_learning
 
     def queued_tokens(self, now: float) -> int:
         if now < self._queued_due:
@@ -196,11 +198,13 @@ class WorkerLoad:
         """Sum the queued tickets again (after some left)."""
         queued = self.queued
         self._queued_sum = sum(t.tokens for t in queued.values())
+        self._queued_learning = sum(1 for t in queued.values() if t.learn)
         self._queued_due = min((t.expires_at for t in queued.values()), default=math.inf)
 
     def _dequeue(self, ticket: Ticket, now: float | None = None) -> None:
         if self.queued.pop(id(ticket), None) is not None:
             self._queued_sum -= ticket.tokens
+            self._queued_learning -= ticket.learn
             if now is not None:
                 self._drain_from = now
             if ticket.expires_at == self._queued_due != math.inf:
@@ -253,6 +257,7 @@ class WorkerLoad:
             self._drain_from = now
         self.queued[id(ticket)] = ticket
         self._queued_sum += tokens
+        self._queued_learning += learn
         self._queued_due = min(self._queued_due, ticket.expires_at)
         self._load_changed()
         return ticket
