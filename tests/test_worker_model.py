@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvpool.worker.attention import AttentionMetadata, paged_attention, reference_attention
 from kvpool.worker.attention_cpu import CpuPagedDecode
-from kvpool.worker.attention_flex import FlexDecode
+from kvpool.worker.attention_flex import FlexDecode, FlexUnavailable
 from kvpool.worker.engine import EngineConfig, LLMEngine
 from kvpool.worker.loader import load_model, load_tokenizer
 from kvpool.worker.model_runner import ModelRunner
@@ -194,6 +197,73 @@ def test_the_paged_decode_path_reads_the_cache_in_place_and_agrees(rows, kernel)
     got = paged_attention(q, k, v, k_cache, v_cache, meta, 32**-0.5)
     expected = reference_attention(q, k_cache, v_cache, meta, 32**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+#: FlexAttention on CPU in a process of its own, the shapes of the test above (so that a
+#: warm inductor cache serves it), against the plain definition
+FLEX_ON_CPU = """
+import torch
+from kvpool.worker.attention_flex import FlexDecode
+
+gen = torch.Generator().manual_seed(0)
+heads, kv_heads, head_dim, bs, num_blocks = 4, 2, 32, 16, 512
+k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+lens = [48, 3, 91]
+order = torch.randperm(num_blocks, generator=gen).tolist()
+tables = [[order.pop() for _ in range(-(-n // bs))] for n in lens]
+q = torch.randn(len(lens), heads, head_dim, generator=gen)
+paged = FlexDecode(num_blocks, bs, max_rows=8, max_blocks_per_seq=8, device="cpu")
+paged.plan(tables, lens)
+got = paged.attend(q, k_cache, v_cache, head_dim**-0.5)
+for i, (table, n) in enumerate(zip(tables, lens)):
+    keys, values = (
+        c[table].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, 1)
+        for c in (k_cache, v_cache)
+    )
+    weights = torch.softmax(torch.einsum("hd,thd->ht", q[i], keys) * head_dim**-0.5, -1)
+    expected = torch.einsum("ht,thd->hd", weights, values)
+    torch.testing.assert_close(got[i], expected, atol=1e-5, rtol=1e-5)
+print("agrees")
+"""
+
+
+@pytest.mark.slow  # a child Python compiles the kernel: up to minutes on a cold cache
+def test_flex_attention_compiles_on_cpu_when_the_checkout_is_on_the_path() -> None:
+    """Started in the checkout with the checkout on sys.path (``python -m`` there, without
+    safe-path mode), a process hands inductor's child Pythons a path whose ``operator/``
+    shadows the standard library's: its SIMD probe died, and FlexAttention's CPU kernel
+    failed to compile (``remainder_integral expects integral scalar T``). A process of
+    its own: inductor probes once per process."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONSAFEPATH", "TORCH_CUSTOM_PYTHONPATH")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", FLEX_ON_CPU],
+        cwd=CHECKOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "agrees"
+
+
+def test_flex_attention_is_refused_at_start_where_inductor_has_no_cpu_simd(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where inductor can build no vectorised C++ (no compiler, say), the worker stops at
+    start with what to do instead, not at its first decode step with a C++ error."""
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa)
+    with pytest.raises(FlexUnavailable, match="--attention paged"):
+        FlexDecode(64, 16, max_rows=4, max_blocks_per_seq=4, device="cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -391,7 +391,10 @@ def raw_replay(endpoint: str, credential: str | None, timeout_ms: int = 1500) ->
     sock.connect(endpoint)
     got: list[list[bytes]] = []
     try:
-        sock.send_multipart([b"", encode_seq(0)])
+        try:  # never waits: a connection refused before the send is gone for good
+            sock.send_multipart([b"", encode_seq(0)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return got
         while sock.poll(timeout_ms):
             frames = sock.recv_multipart()
             if frames[-1] == b"":
@@ -470,11 +473,31 @@ async def test_a_publisher_with_a_credential_admits_only_it(
     )
     await good.wait_until(lambda: bool(good.batches))
     assert good.batches[0].batch.events[0].token_ids == secret_ids
-    # Its catch-up replay is refused first (a 2 s timeout), then its subscription: on a
-    # loaded machine that took over 10 s once; the deadline guards a hang, nothing more.
-    await until(lambda: pub.refused > 0 and wrong.sub.stats.handshake_failures > 0, 40.0)
+    # Its catch-up replay is refused first (at once, or after the 2 s replay timeout when
+    # its request went out before the refusal), then its subscription.
+    await until(lambda: pub.refused > 0 and wrong.sub.stats.handshake_failures > 0)
     assert wrong.batches == []
     assert credential not in caplog.text
+
+
+async def test_a_replay_connection_refused_before_its_request_does_not_stall_the_subscriber(
+    make_publisher: Any, collect: Any
+) -> None:
+    """On a loaded machine the publisher can refuse a replay connection between the
+    subscriber's connect and its request: libzmq never connects that socket again, and a
+    request that waited for a connection waited for ever, before the subscriber read the
+    refusal of its subscription (the flake of the test above). The request fails at once;
+    the subscriber goes on and sees the refusal."""
+    pub: EventPublisher = make_publisher(credential=kv_events_credential(SECRET))
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0, credential="nope" * 8)
+    # The catch-up's replay socket, connected ahead and refused before it asks anything:
+    # until it has no connection left to send on (reading its events takes the news in).
+    replay = sub._replay_socket()
+    await until(lambda: not replay.get(zmq.EVENTS) & zmq.POLLOUT)
+    collector = collect(sub)
+    await until(lambda: sub.caught_up.is_set() and sub.stats.handshake_failures > 0)
+    assert sub.stats.replay_failures == 1
+    assert collector.batches == []
 
 
 # -- no secret in any log -----------------------------------------------------------------------

@@ -17,18 +17,108 @@ The block tables live in one persistent buffer, ``[rows, max_blocks_per_seq]``, 
 step for the rows that decode. FlexAttention wants the mask's KV extent to cover the whole
 cache, so the kernel sees that buffer through a strided view ``[rows, 1, 1, num_blocks]``
 whose rows overlap; it only ever reads the first ``num_full`` entries of a row.
+
+Inductor starts child Pythons (its CPU's SIMD probe, its compile workers) with the
+parent's ``sys.path`` as their ``PYTHONPATH``. Run from a checkout of this repository with
+the checkout on ``sys.path`` (``python -m ...`` there), that path holds the top-level
+``operator/`` folder, which shadows the standard library's ``operator`` in those children:
+they die at start-up, inductor concludes that this CPU has no SIMD, and FlexAttention's
+CPU template, which asks only whether the hardware has AVX2, goes on with vectorised code
+compiled without it (``remainder_integral expects integral scalar T``). So the children
+get a path without such folders; and a CPU where inductor still finds no SIMD is refused
+when the kernel is made, with a message, rather than at its first step with a C++ error.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import site
+import sys
+import sysconfig
 import threading
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: the compiled call, shared by every engine and layer; dynamo keeps one kernel per
 #: device, dtype and batch bucket under it
 _COMPILED: list = []
 _COMPILE_LOCK = threading.Lock()
+#: inductor reads the child Pythons' path from here when it is set (else from sys.path)
+_CHILD_PATH_VAR = "TORCH_CUSTOM_PYTHONPATH"
+
+
+class FlexUnavailable(RuntimeError):
+    """FlexAttention cannot be compiled for this device here."""
+
+
+def _installed_dirs() -> set[str]:
+    """The standard library's and the installations' folders: whatever they hold is
+    meant to be imported."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    return {os.path.realpath(d) for d in dirs}
+
+
+def _shadows_stdlib(entry: str, installed: set[str] | None = None) -> bool:
+    """Whether a ``sys.path`` entry, other than the standard library's and the
+    installations' folders, holds a module or package named as a standard-library one (a
+    checkout's ``operator/``): a Python started with it on its path imports that instead."""
+    folder = os.path.realpath(entry or os.curdir)
+    if folder in (_installed_dirs() if installed is None else installed):
+        return False
+    try:
+        names = os.listdir(folder)
+    except OSError:  # gone, not a folder, or a zip archive
+        return False
+    for name in names:
+        stem, ext = os.path.splitext(name)
+        if ext == ".py" and stem in sys.stdlib_module_names:
+            return True
+        if (
+            not ext
+            and name in sys.stdlib_module_names
+            and os.path.isfile(os.path.join(folder, name, "__init__.py"))
+        ):
+            return True
+    return False
+
+
+def _keep_shadowing_folders_from_inductor_children() -> None:
+    """Give inductor's child Pythons this process's path without the folders that would
+    shadow the standard library in them (see the module's docstring); a path the user
+    set for them stays."""
+    if _CHILD_PATH_VAR in os.environ:
+        return
+    installed = _installed_dirs()
+    shadowing = [p for p in sys.path if _shadows_stdlib(p, installed)]
+    if shadowing:
+        os.environ[_CHILD_PATH_VAR] = os.pathsep.join(p for p in sys.path if p not in shadowing)
+        log.info(
+            "inductor's child processes run without %s on their path: a module there "
+            "shadows the standard library's",
+            ", ".join(os.path.realpath(p or os.curdir) for p in shadowing),
+        )
+
+
+def _require_cpu_simd() -> None:
+    """FlexAttention's CPU template is vectorised C++: without a SIMD instruction set that
+    inductor can build for, it does not compile."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:  # another torch: its own errors will have to do
+        return
+    if not cpu_vec_isa.pick_vec_isa():
+        raise FlexUnavailable(
+            "FlexAttention on CPU compiles vectorised C++ through torch inductor, and inductor "
+            "finds no SIMD instruction set it can build for here (no C++ compiler, a CPU "
+            "without AVX2, or ATEN_CPU_CAPABILITY=default): use --attention paged (the C "
+            "kernel) or gather"
+        )
 
 
 def _bucket(n: int) -> int:
@@ -41,10 +131,14 @@ class FlexDecode:
     def __init__(
         self, num_blocks: int, block_size: int, max_rows: int, max_blocks_per_seq: int, device
     ) -> None:
+        self.device = torch.device(device)
+        with _COMPILE_LOCK:
+            _keep_shadowing_folders_from_inductor_children()
+        if self.device.type == "cpu":
+            _require_cpu_simd()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_rows = _bucket(max_rows)
         self.width = max(max_blocks_per_seq, 1)
-        self.device = torch.device(device)
         i32 = {"dtype": torch.int32, "device": self.device}
         # rows x width, plus num_blocks so the overlapping view stays inside the storage
         self._tables = torch.zeros(self.max_rows * self.width + num_blocks, **i32)

@@ -554,19 +554,20 @@ class EventSubscriber:
         sock = self._replay_socket()
         finished = False
         try:
-            await sock.send_multipart((b"", encode_seq(start)))
+            try:
+                # A DEALER queues a request at once while it has a connection, made or being
+                # made. A publisher's refusal (another credential, another mechanism) ends
+                # that connection for good, and on a loaded machine it can come between
+                # connect and send: a send that waited would wait for ever, and the loop
+                # would never read why.
+                await sock.send_multipart((b"", encode_seq(start)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._replay_failed("the publisher refused the connection")
+                return None
             messages: list[tuple[int, bytes]] = []
             while True:
                 if not await sock.poll(self._replay_timeout_ms):
-                    self.stats.replay_failures += 1
-                    # Said once while it lasts: a worker that is down is the health check's news.
-                    log = logger.debug if self._replay_failing else logger.warning
-                    log(
-                        "KV events from %s: no replay answer from %s",
-                        self.name,
-                        self.replay_endpoint,
-                    )
-                    self._replay_failing = True
+                    self._replay_failed("no answer")
                     return None
                 frames = await sock.recv_multipart()
                 if frames and not frames[0]:
@@ -589,6 +590,13 @@ class EventSubscriber:
         finally:
             if not finished and self._replay is sock:
                 self._drop_replay_socket()
+
+    def _replay_failed(self, why: str) -> None:
+        self.stats.replay_failures += 1
+        # Said once while it lasts: a worker that is down is the health check's news.
+        log = logger.debug if self._replay_failing else logger.warning
+        log("KV events from %s: no replay from %s: %s", self.name, self.replay_endpoint, why)
+        self._replay_failing = True
 
     async def _monitor_pending(self) -> bool:
         monitor = self._monitor
