@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test lint format pytest bench bench-routing bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
+.PHONY: install test test-each lint format pytest bench bench-routing bench-ingress bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -38,6 +38,26 @@ format: install
 pytest: install
 	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadfile
 
+# Each test file alone, in a pytest process of its own (EACH_JOBS at a time): a test that
+# passes only after another file's tests shows up here (make test runs files side by side
+# in long-lived workers). Not part of make test: it starts every file's servers afresh.
+# EACH= picks the files; PYTEST_ADDOPTS='-m "not slow"' passes pytest options.
+EACH ?= $(sort $(wildcard tests/test_*.py e2e/test_*.py e2e/*/test_*.py))
+EACH_JOBS ?= 2
+test-each: install
+	@logs=$$(mktemp -d); \
+	printf '%s\n' $(EACH) | xargs -P $(EACH_JOBS) -I{} sh -c ' \
+	  log="$$0/$$(echo "$$1" | tr / _).log"; \
+	  if $(VENV)/bin/pytest -q -p no:cacheprovider "$$1" > "$$log" 2>&1; \
+	  then echo "pass  $$1: $$(tail -n 1 "$$log")"; \
+	  else echo "FAIL  $$1: $$(tail -n 1 "$$log")"; echo "$$1" >> "$$0/failed"; fi \
+	' "$$logs" {}; \
+	if [ -s "$$logs/failed" ]; then \
+	  echo; echo "these files fail when run alone (their output: $$logs):"; \
+	  sort "$$logs/failed" | sed 's/^/  /'; exit 1; \
+	fi; \
+	echo "every file passes alone"; rm -rf "$$logs"
+
 bench: install
 	$(PY) bench/hashing.py
 	$(PY) bench/sim_calibration.py
@@ -57,6 +77,11 @@ bench-flow-control: install
 # Routing quality on 8 simulated workers: kvpool's policy, the baselines and the SGLang router.
 bench-routing: install
 	$(PY) bench/routing.py
+
+# kvpool exactly as a user starts it (its defaults), the load generator one client address
+# as behind an ingress, beside the SGLang router on every workload: requests refused counted.
+bench-ingress: install
+	$(PY) bench/routing.py --ingress
 
 # Session affinity on and off on the multi-turn workload, beside the SGLang router.
 bench-affinity: install

@@ -390,10 +390,6 @@ def router_argv(
     argv += ["--model", str(model_dir), "--port", str(port)]
     argv += ["--api-keys-file", str(tenants), "--flow-control", str(flow_control).lower()]
     argv += ["--saturation-ttft-s", str(args.saturation_ttft_s)]
-    # Every tenant's client is one address on this machine; a real flood comes from many.
-    # This measures flow control, not the per-client connection limit (which would cap B
-    # at its first few hundred open connections and keep the queue from forming).
-    argv += ["--max-connections-per-client", "1000000"]
     argv += ["--drain-timeout-s", "0"]  # stopped between phases: nothing to wait for
     argv += args.router_args.split()
     for w in fleet.workers:
@@ -995,9 +991,8 @@ def notes_text(meta: dict[str, Any], s: dict[str, Any], rm: dict[str, Any]) -> s
         "until A's last has ended, when the flood's requests still open are cancelled (not "
         "counted). H: `priority: high`, `ttft_slo_s: 1`; L: `priority: low`, "
         "`ttft_slo_s: 10`; A and B: `normal`, no SLO. Each tenant's client is its own "
-        "process and loopback address; the routers run with `--max-connections-per-client "
-        "1000000` (a flood from one address would otherwise meet that limit, not flow "
-        "control).",
+        "process and loopback address; the routers run with kvpool's defaults (connections "
+        "in service never count against an address's limit).",
         "",
         "Where the flood waited (requests, sampled every "
         f"{SAMPLE_INTERVAL_S:g} s; most / mean): {where(rm)}. Flow control does its job when "

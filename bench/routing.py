@@ -129,6 +129,8 @@ DEFAULT_POLICIES = ("kvpool", "round-robin", "least-loaded", "prefix-only", "sgl
 #: made of conversations
 AFFINITY_WORKLOAD = "multi-turn"
 AFFINITY_POLICIES = ("kvpool", "kvpool-no-affinity", "sglang-router")
+#: ``--ingress``: kvpool as a user starts it, beside the SGLang router
+INGRESS_POLICIES = ("kvpool", "sglang-router")
 #: ``--replicas``: the workloads (at their two highest rates) and what is compared
 REPLICA_WORKLOADS = ("groups", "one-system-prompt")
 REPLICA_POLICIES = ("kvpool", REPLICAS, "sglang-router")
@@ -569,10 +571,9 @@ def kvpool_router_argv(
 ) -> list[str]:
     """``kvpool router serve`` for one of :data:`KVPOOL_POLICIES`; the policy's own flags
     come after ``extra``, so that a variant stays what its name says (the last flag wins)."""
+    # kvpool's defaults: the load generator is one address standing for every user, as an
+    # ingress in front of the router is
     argv = [*KVPOOL, "router", "serve", "--model", str(model), "--port", str(port)]
-    # The load generator is one address standing for every user: the per-client connection
-    # limit (256) would refuse its requests once the workers fall behind.
-    argv += ["--max-connections-per-client", "1000000"]
     argv += [*extra, *KVPOOL_POLICIES[policy]]
     for w in workers:
         argv += ["--worker", w]
@@ -664,6 +665,7 @@ async def drive(urls: list[str], model: str, sessions: list[Session], workers: l
     turns = itertools.count()
     records: list[tuple[float | None, int, float]] = []  # (ttft, output tokens, end)
     errors: list[str] = []
+    refused = 0  # answered 429 or 503: the router (or a worker) would not take it
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=900)
     async with (
@@ -701,8 +703,10 @@ async def drive(urls: list[str], model: str, sessions: list[Session], workers: l
             first = None
             finished = False
             url = urls[next(turns) % len(urls)]
+            nonlocal refused
             try:
                 async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
+                    refused += resp.status in (429, 503)
                     if resp.status != 200:
                         errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                         return False
@@ -778,6 +782,7 @@ async def drive(urls: list[str], model: str, sessions: list[Session], workers: l
         "requests": total,
         "completed": len(records),
         "errors": total - len(records),  # failed, and turns never sent after a failure
+        "refused": refused,
         "first_errors": errors[:3],
         "seconds": elapsed,
         "requests_per_s": len(records) / elapsed,
@@ -858,8 +863,8 @@ def table(workload: str, rows: dict[str, dict[str, dict[str, Any]]], note: str) 
         note,
         "",
         "| rate req/s | policy | hit ratio | share of the bound | TTFT p50 ms | TTFT p90 ms "
-        "| TTFT p99 ms | output tok/s | imbalance | p90 / kvpool's |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p99 ms | output tok/s | imbalance | p90 / kvpool's | refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rate in rates:
         ours = rows.get("kvpool", {}).get(rate)
@@ -873,7 +878,7 @@ def table(workload: str, rows: dict[str, dict[str, dict[str, Any]]], note: str) 
                 f"| {rate} | {policy}{errors} | {r['hit_ratio']:.1%} | {shown} "
                 f"| {_ms(r['ttft_p50'])} "
                 f"| {_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} | {r['throughput']:,.0f} "
-                f"| {r['imbalance']:.2f} | {ratio:.2f}x |"
+                f"| {r['imbalance']:.2f} | {ratio:.2f}x | {r.get('refused', '-')} |"
             )
     return "\n".join(lines)
 
@@ -1103,9 +1108,16 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
         ),
     ]
     load_before, load_after = meta["load_average"]
-    title = {"affinity": "Session affinity", "replicas": "Two router replicas"}.get(
-        name, "Routing quality"
-    )
+    title = {
+        "affinity": "Session affinity",
+        "replicas": "Two router replicas",
+        "ingress": "kvpool's defaults behind one client address",
+    }.get(name, "Routing quality")
+    refused: dict[str, int] = {}
+    for by_policy in results.values():
+        for policy, by_rate in by_policy.items():
+            n = sum(r.get("refused", 0) for r in by_rate.values())
+            refused[policy] = refused.get(policy, 0) + n
     header = (
         f"# {title} ({meta['date']}, {meta['machine'].split(', ')[0]}, "
         f"{meta['machine'].split(', ')[1]}, Python {meta['python']})\n\n"
@@ -1121,6 +1133,15 @@ def write_results(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
             f"Run again after it, their rows replacing the whole run's: "
             f"{', '.join(r['workloads'])} ({r['date']}, {r['wall_s'] / 60:.1f} min): {r['why']}\n\n"
             for r in meta.get("reruns", ())
+        )
+        + (
+            "Every request comes from one address (the load generator), as through an "
+            "ingress; kvpool runs with its defaults, no flag but `--model`, `--port`, "
+            "`--worker`. Requests refused (429 or 503) in the whole run: "
+            + ", ".join(f"{p} {n}" for p, n in refused.items())
+            + ".\n\n"
+            if name == "ingress"
+            else ""
         )
         + "Hit ratio: `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` at the workers. "
         "Imbalance: max/mean over the workers of busy time (running + waiting requests > 0, "
@@ -1213,6 +1234,13 @@ def build_parser() -> argparse.ArgumentParser:
         "routing.json's 'replicas'",
     )
     parser.add_argument(
+        "--ingress",
+        action="store_true",
+        help="kvpool with its defaults beside the SGLang router on every workload, the load "
+        "generator one client address as an ingress is: requests refused counted; writes "
+        "ingress.{md,json,png}",
+    )
+    parser.add_argument(
         "--router-args", default="", help="more `kvpool router serve` flags, for trials"
     )
     parser.add_argument("--out", type=Path, default=None, help="default bench/results")
@@ -1235,11 +1263,15 @@ class Plan:
 
 
 def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
-    if (args.affinity or args.replicas) and (args.workloads or args.policies):
-        parser.error("--affinity and --replicas choose their workloads and policies")
-    if args.affinity and args.replicas:
-        parser.error("--affinity or --replicas, not both")
-    if args.affinity:
+    if (args.affinity or args.replicas or args.ingress) and (args.workloads or args.policies):
+        parser.error("--affinity, --replicas and --ingress choose their workloads and policies")
+    if args.affinity + args.replicas + args.ingress > 1:
+        parser.error("one of --affinity, --replicas and --ingress")
+    if args.ingress and args.router_args:
+        parser.error("--ingress runs kvpool's defaults: no --router-args")
+    if args.ingress:
+        workloads, policies = list(WORKLOADS), list(INGRESS_POLICIES)
+    elif args.affinity:
         workloads, policies = [AFFINITY_WORKLOAD], list(AFFINITY_POLICIES)
     elif args.replicas:
         workloads, policies = list(REPLICA_WORKLOADS), list(REPLICA_POLICIES)
@@ -1264,7 +1296,15 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
     out = args.out or (
         Path(tempfile.gettempdir()) / "kvpool-bench-routing-quick" if args.quick else RESULTS
     )
-    name = "affinity" if args.affinity else "replicas" if args.replicas else "routing"
+    name = (
+        "affinity"
+        if args.affinity
+        else "replicas"
+        if args.replicas
+        else "ingress"
+        if args.ingress
+        else "routing"
+    )
     return Plan(name, workloads, policies, rates, duration, out)
 
 

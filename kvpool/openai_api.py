@@ -272,6 +272,9 @@ class WorkerInfo(BaseModel):
     #: the most requests it runs at once (its scheduler's ``max_num_seqs``): a router knows
     #: from the start when its batch is full, not only once it has been seen queueing
     max_num_seqs: int | None = Field(None, ge=1)
+    #: new at each start of the worker's process: a router that sees another one at
+    #: registration knows the cache it indexed is gone (a release before sends none)
+    boot_id: str | None = None
 
 
 def parse_request(model: type[M], body: bytes) -> M:

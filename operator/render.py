@@ -741,7 +741,11 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
     return data
 
 
-def _setting_text(value: bool | int | float) -> str:
+def _setting_text(value: bool | int | float | str | list[str]) -> str:
+    if isinstance(value, list):  # a list setting's variable: its items, space-separated
+        return " ".join(value)
+    if isinstance(value, str):
+        return value
     if isinstance(value, bool):
         return "true" if value else "false"
     return f"{value:g}" if isinstance(value, float) else str(value)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool import tracing
+from kvpool.httpguard import client_address, connections_bound
 from kvpool.openai_api import OpenAIError
 
 from .flow import Band, Entry, FairQueue, QueueRefused, parse_band, shed_error
@@ -78,6 +79,7 @@ class Pass:
     error: str | None = None
     outcome: str | None = None  # how admission ended it: rate_limited or shed
     done: bool = False
+    client: str | None = None  # counted in the per-client limit under this address
 
     def on_worker(self) -> None:
         """A worker has it now, and its load counts there: the dispatcher may ask about
@@ -111,6 +113,10 @@ class Gate:
         )
         self.active = 0
         self.admitted = 0  # requests given a slot, since start (this process's)
+        self.trusted = s.trusted_networks()
+        self.max_concurrency = s.max_concurrency or connections_bound()
+        #: requests in flight per client address, with --max-requests-per-client
+        self.per_client: dict[str, int] = {}
         self.saturated_by: str | None = None  # why the pool was saturated when last asked
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task[None] | None = None
@@ -173,17 +179,32 @@ class Gate:
                 code="admin_required",
             )
 
-    def enter(self, headers: Mapping[str, str]) -> Pass:
-        """Before the body is read: the tenant, and its requests-per-second limit."""
+    def enter(self, headers: Mapping[str, str], peer: str | None = None) -> Pass:
+        """Before the body is read: the tenant, its requests-per-second limit, and the
+        client address's requests in flight (``peer``: the connection's address)."""
         tenant = self.tenant_of(headers)
         p = Pass(tenant=tenant, arrival=self.clock())
         try:
+            self._enter_client(p, headers, peer)  # first: a refusal spends none of the tenant's
             p.headers.update(self.limiter.admit_request(tenant))
         except RateLimitExceeded as exc:
             self._refused(p, exc.limit)
             self.finish(p)
             raise
         return p
+
+    def _enter_client(self, p: Pass, headers: Mapping[str, str], peer: str | None) -> None:
+        limit = self.settings.max_requests_per_client
+        if limit is None or peer is None:
+            return
+        client = client_address(peer, headers, self.trusted, self.settings.client_address_header)
+        held = self.per_client.get(client, 0)
+        if held >= limit:
+            raise RateLimitExceeded(
+                "client", f"the client {client} has {held} requests in flight, its limit", 1.0, {}
+            )
+        self.per_client[client] = held + 1
+        p.client = client
 
     def _refused(self, p: Pass, limit: str) -> None:
         self.metrics.requests.labels("rate_limited").inc()
@@ -253,7 +274,7 @@ class Gate:
         p.reservation = admission.reservation
         p.headers.update(admission.headers)
         if not s.flow_control:
-            if self.active >= s.max_concurrency:
+            if self.active >= self.max_concurrency:
                 self.metrics.requests.labels("overloaded").inc()
                 raise OpenAIError(
                     429,
@@ -323,7 +344,7 @@ class Gate:
         self.metrics.queue_wait.labels(p.band).observe(p.waited_s)
 
     def _saturated(self, routed: Any, *, commit: bool = False) -> str | None:
-        if self.active >= self.settings.max_concurrency:
+        if self.active >= self.max_concurrency:
             why: str | None = "concurrency"
         else:
             why = self.saturation(routed, commit)
@@ -398,6 +419,10 @@ class Gate:
             return
         p.done = True
         p.placed.set()
+        if p.client is not None:
+            left = self.per_client.pop(p.client) - 1
+            if left:
+                self.per_client[p.client] = left
         if p.slot:
             self.active -= 1
             if len(self.queue):

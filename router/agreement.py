@@ -28,8 +28,18 @@ tokens and judges them:
 A flagged worker gets no cache credit until the window agrees again (``clear_at``); a
 worker that has never reported ``cached_tokens`` (vLLM without
 ``--enable-prompt-tokens-details``) is not judged at all, and once one has, an answer
-without them reports none (vLLM leaves the details out when nothing was cached). Pure:
-the gateway feeds it and reads it.
+without them reports none (vLLM leaves the details out when nothing was cached).
+
+An answer whose cached tokens say nothing of the worker's cache is not observed either
+(its prediction is :data:`UNJUDGED`): a request vLLM serves without reading its prefix
+cache (it computes the prompt's logprobs: ``prompt_logprobs``, or ``echo`` with
+logprobs), which reports 0 from a healthy cache; a batch of prompts, whose usage names
+one prompt's cached tokens (vLLM's last prompt's, or in a stream the first to answer) for
+all their prompt tokens; and a Responses request continuing a stored response, whose
+prompt in the worker begins with that conversation, which the router did not match. An
+evaluation job would otherwise flag a healthy worker ``over-predicted``, and these answers
+push the evidence of the requests that do measure it out of the window. Pure: the
+gateway feeds it and reads it.
 """
 
 from __future__ import annotations
@@ -39,9 +49,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIKELY_CAUSES", "AgreementConfig", "CacheAgreement"]
+__all__ = ["LIKELY_CAUSES", "UNJUDGED", "AgreementConfig", "CacheAgreement"]
 
 log = logging.getLogger("kvpool.router.agreement")
+
+#: the prediction of an answer that is not to be judged (see the module): not observed
+UNJUDGED = -1
 
 #: what to check when a worker is flagged, by the way it disagrees
 LIKELY_CAUSES = {
@@ -112,7 +125,10 @@ class CacheAgreement:
         usage names none), and ``events`` the index's (speculated, confirmed, stored)
         block counters of the worker (None when it publishes no events). Returns whether
         the verdict changed. A worker that has never reported cached tokens is not judged
-        (vLLM without ``--enable-prompt-tokens-details``)."""
+        (vLLM without ``--enable-prompt-tokens-details``), nor an answer predicted
+        :data:`UNJUDGED`."""
+        if predicted == UNJUDGED:
+            return False
         if reported is None:
             if not self.reports:
                 return False

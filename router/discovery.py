@@ -146,12 +146,17 @@ def endpoint_from_pod(
     role_label: str = "kvpool.io/role",
     events_port: int | None = None,
     replay_port: int | None = None,
+    was_ready: bool = False,
 ) -> WorkerEndpoint | None:
-    """The endpoint for a pod (JSON form) that should get requests now, else None.
+    """The endpoint for a pod (JSON form) that the router should know now, else None.
 
-    Only Running, Ready pods with an IP and no deletionTimestamp qualify: a terminating pod
-    stays Ready for a while but must not get new requests. ``port`` is a number or a
-    container port name. Without ``events_port`` the router asks the worker's /kvpool/info.
+    Only Running pods with an IP and no deletionTimestamp qualify (a terminating pod stays
+    Ready for a while but must not get new requests), once they are Ready; ``was_ready``:
+    it has been Ready since discovery first saw it, and still counts when it is not now. A
+    busy worker fails its readiness probe as it fails the router's health check: it leaves
+    rotation (the router's own check), not the pool, which would drop its index entries and
+    abort its streams. ``port`` is a number or a container port name. Without
+    ``events_port`` the router asks the worker's /kvpool/info.
     """
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
@@ -161,7 +166,9 @@ def endpoint_from_pod(
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
-    if status.get("phase") != "Running" or not ip or not ready or meta.get("deletionTimestamp"):
+    if status.get("phase") != "Running" or not ip or meta.get("deletionTimestamp"):
+        return None
+    if not (ready or was_ready):
         return None
     role = (meta.get("labels") or {}).get(role_label, "both")
     if role not in ROLES:
@@ -268,27 +275,41 @@ class KubernetesDiscovery:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.pods: dict[str, WorkerEndpoint | None] = {}  # pod name -> endpoint, None: not usable
+        self._was_ready: set[str] = set()  # pods (uids) seen Ready: known while they are not
         self._stop = threading.Event()
         self._watch: kubernetes.watch.Watch | None = None
 
     def _endpoint(self, pod: Mapping[str, Any]) -> WorkerEndpoint | None:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
         if not label_selector_matches(self.label_selector, labels):
             return None
+        uid = meta.get("uid") or meta.get("name", "")
+        status = pod.get("status") or {}
+        if any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        ):
+            self._was_ready.add(uid)
         return endpoint_from_pod(
             pod,
             port=self.port,
             role_label=self.role_label,
             events_port=self.events_port,
             replay_port=self.replay_port,
+            was_ready=uid in self._was_ready,
         )
 
     def _apply(self, message: tuple[str, Any]) -> None:
         kind, payload = message
         if kind == "RESET":
+            uids = {p["metadata"].get("uid") or p["metadata"]["name"] for p in payload}
+            self._was_ready &= uids
             self.pods = {pod["metadata"]["name"]: self._endpoint(pod) for pod in payload}
         elif kind == "DELETED":
-            self.pods.pop(payload["metadata"]["name"], None)
+            meta = payload["metadata"]
+            self._was_ready.discard(meta.get("uid") or meta["name"])
+            self.pods.pop(meta["name"], None)
         else:  # ADDED, MODIFIED
             self.pods[payload["metadata"]["name"]] = self._endpoint(payload)
 

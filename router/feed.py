@@ -10,9 +10,11 @@ index says of them:
   rank: its batches are indexed apart by rank (index id ``worker`` for rank 0,
   ``worker@dp<r>`` above), so one engine's eviction never takes away what another still
   holds. :meth:`IndexFeed.match` answers per worker, with the rank holding the most.
-* **speculation**: a request sent to a worker counts its chain as held there from then
-  (:meth:`BlockIndex.speculate`), until the worker's own events confirm it or the attempt
-  fails and takes it back; the other router replicas are told, and count it too.
+* **speculation**: a request sent to a worker holds its chain there from then
+  (:meth:`BlockIndex.hold`) while it waits for its first token, however long the worker's
+  queue: then the worker's own events confirm it, after a short grace for them to arrive,
+  or, if the attempt fails, what no other request holds is taken back; the other router
+  replicas are told of each, and count it too.
 * **sweeping**: a cleared or removed worker leaves the index at once, and its entries are
   swept out in slices of about a millisecond between other work on the loop.
 """
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.kv_events import EventSubscriber, Received
 
-from .index import BlockIndex
+from .index import BlockIndex, Hold
 
 if TYPE_CHECKING:
     from .pool import WorkerState
@@ -141,6 +143,17 @@ class IndexFeed:
                 return True
         return True
 
+    def streaming(self, state: WorkerState, endpoint: str, replay: str | None, topic: str) -> bool:
+        """Whether the worker's events from this publisher are being read now (a worker
+        coming back after failing its checks, whose stream ran on meanwhile)."""
+        sub, task = state.subscriber, state.events_task
+        return (
+            sub is not None
+            and task is not None
+            and not task.done()
+            and (sub.endpoint, sub.replay_endpoint, sub.topic) == (endpoint, replay, topic.encode())
+        )
+
     def stop(self, state: WorkerState) -> None:
         sub, state.subscriber = state.subscriber, None
         task, state.events_task = state.events_task, None
@@ -174,7 +187,8 @@ class IndexFeed:
             log.exception("worker %s: KV event stream failed; restarting it", state.id)
             self.clear(state)
             await asyncio.sleep(1.0)
-            if state.subscriber is sub and state.status in ("up", "syncing"):
+            # Out of rotation too: a worker that fails its checks keeps its stream.
+            if state.subscriber is sub and self.workers.get(state.id) is state:
                 state.subscriber = state.events_task = None  # this task ends here
                 self.start(state, sub.endpoint, sub.replay_endpoint, sub.topic.decode(), credential)
         finally:
@@ -282,27 +296,52 @@ class IndexFeed:
             iid = self._rank_id(state, rank)
         return iid
 
-    def speculate(self, worker_id: str, keys: list[int], rank: int | None = None) -> list[int]:
-        """Count the chain as held by the worker (its ``rank``, when the router chose one)
-        from now: see :meth:`BlockIndex.speculate`. Returns the keys added, for
-        :meth:`withdraw`; a worker gone meanwhile: nothing. The other router replicas are
-        told, and count it too."""
+    def speculate(self, worker_id: str, keys: list[int], rank: int | None = None) -> Hold | None:
+        """A request is sent to the worker (its ``rank``, when the router chose one) with
+        this chain: count it as held there while the request waits for it (see
+        :meth:`BlockIndex.hold`). The request ends the hold this returns with
+        :meth:`release` or :meth:`withdraw`; a worker gone meanwhile: None. The other
+        router replicas are told, and hold it too until they hear how it ended."""
         iid = self._speculation_id(worker_id, rank, register=True)
         if iid is None:
-            return []
+            return None
+        hold = self.index.hold(iid, keys)
         if self.peers is not None:
-            self.peers.speculated(worker_id, rank, keys)
-        return self.index.speculate(iid, keys)
+            hold.chain = self.peers.speculated(worker_id, rank, keys)
+        return hold
+
+    def release(self, hold: Hold | None) -> None:
+        """The request saw its first token or ended: its chain is the worker's to confirm,
+        with the short grace of ``speculative_ttl`` for the event (see
+        :meth:`BlockIndex.release`). Once per hold; the peers are told."""
+        self._end(hold, failed=False)
+
+    def withdraw(self, hold: Hold | None) -> None:
+        """The attempt failed before the worker computed anything: what it alone held is
+        taken back (what other requests hold stays); the peers are told."""
+        self._end(hold, failed=True)
+
+    def _end(self, hold: Hold | None, *, failed: bool) -> None:
+        if hold is None or hold.done:
+            return
+        self.index.release(hold, failed=failed)
+        if self.peers is not None and hold.chain is not None:
+            self.peers.ended(hold.chain, failed=failed)
 
     def peer_speculated(self, worker_id: str, rank: int | None, keys: list[int]) -> None:
-        """Another replica sent this chain to the worker: count it as this router would."""
+        """A replica of the release before holds sent this chain to the worker: an unowned
+        guess, for ``speculative_ttl`` as that release counts it."""
         iid = self._speculation_id(worker_id, rank, register=True)
         if iid is not None:
             self.index.speculate(iid, keys)
 
-    def withdraw(self, worker_id: str, keys: list[int], rank: int | None = None) -> None:
-        """Take back what :meth:`speculate` added for an attempt that never reached the
-        worker's cache; a worker gone meanwhile: nothing to take back."""
-        iid = self._speculation_id(worker_id, rank, register=False)
-        if iid is not None:
-            self.index.withdraw(iid, keys)
+    def peer_held(self, worker_id: str, rank: int | None, keys: list[int]) -> Hold | None:
+        """Another replica sent this chain to the worker for a request: held as the sender
+        holds it, until :meth:`peer_ended` (the link also ends it when the sender goes)."""
+        iid = self._speculation_id(worker_id, rank, register=True)
+        return self.index.hold(iid, keys) if iid is not None else None
+
+    def peer_ended(self, hold: Hold | None, failed: bool) -> None:
+        """A peer's request is done with its chain (``failed``: it failed there)."""
+        if hold is not None:
+            self.index.release(hold, failed=failed)

@@ -50,6 +50,7 @@ from .relay import Failed, Relay, RelayResponse, error_message
 from .request import Kind
 from .settings import RouterSettings
 from .sse import SSEWatch
+from .tokens import Batch
 from .tries import Attempt, Tries
 from .upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamResponse
 
@@ -101,6 +102,10 @@ class Routed:
     plan: Plan | None = None
     #: its prefix was counted in the router's heat (once, whatever the plans made for it)
     heat_seen: bool = False
+    #: a completion's list of prompts (``keys`` are its first's); None for one prompt
+    batch: Batch | None = None
+    #: False: the worker reads no prefix cache for it (prompt logprobs; request.py)
+    reads_cache: bool = True
 
 
 @dataclass
@@ -228,7 +233,7 @@ class Forwarder:
             )
             span_error: str | None = "cancelled"
             try:
-                if leg is None:
+                if leg is None and routed.reads_cache:  # one that reads none waits for none
                     await self._follow(state, ticket, limit)
                 extra = {DP_RANK_HEADER: str(t.rank)} if t.rank is not None else {}
                 with tracing.activated(span):
@@ -257,6 +262,7 @@ class Forwarder:
                 failure = attempt.failure()
                 if failure is None:  # the client left, shutdown, or a bug: not retried
                     state.end(ticket)
+                    tries.reached(t)
                     raise
                 exc = failure
                 span_error = str(failure)
@@ -265,8 +271,11 @@ class Forwarder:
                 span_error = str(failed)
             except BaseException:
                 state.end(ticket)
+                tries.reached(t)
                 raise
             else:
+                # its first token (a stream) or its whole answer: the worker has its blocks
+                tries.reached(t, computed=not _refused(response))
                 tries.succeeded()
                 if routed.session:
                     self.pin("session", routed.session, state.id)
@@ -377,6 +386,7 @@ class Forwarder:
                 continue
             finally:
                 state.end(ticket)
+                tries.reached(t)  # the leg's answer is its first token (a failure: no-op)
             tries.succeeded()
             metrics.prefill_leg.observe(time.monotonic() - now)
             usage = answer.get("usage")
@@ -646,6 +656,15 @@ def prefill_body(request: dict[str, Any]) -> bytes:
         "remote_port": None,
     }
     return json.dumps(body).encode()
+
+
+def _refused(response: Response) -> bool:
+    """The worker answered the request by refusing it (a 4xx, streamed or not): it
+    computed nothing of its prompt."""
+    if isinstance(response, RelayResponse):
+        events = response.relay.events
+        return events.client_error and not events.started
+    return response.status_code >= 400
 
 
 def _answer_of(content: bytes) -> dict[str, Any]:

@@ -25,17 +25,31 @@ and so that no call on the event loop does work in proportion to the index's siz
   registered workers' bits), and :meth:`BlockIndex.sweep` takes it off the table's keys
   later, a bounded slice per call; the bit goes back to the free list only once swept, so a
   new worker never inherits stale entries;
-* speculative entries (what the router *expects* a worker to hold because it just routed a
-  request there) set the worker's bit in the same table, so the walk reads one table; which
-  of a worker's bits are guesses is its ``OrderedDict`` key -> expiry. A worker's TTL is
-  fixed, so insertion order (with refreshes moved to the end) is also expiry order and LRU
-  order: expiry and capacity eviction both pop from the front, amortised, with no
-  background thread.
+* speculative entries (what the router *expects* a worker to hold because it routed a
+  request there) set the worker's bit in the same table, so the walk reads one table. Which
+  of a worker's bits are guesses, and for how long, is in two ordered dicts:
+
+  - ``held``: key -> (requests holding it, deadline, episode). A request that routes its
+    chain there (:meth:`BlockIndex.hold`) holds each key until it sees its first token,
+    ends or fails (:meth:`BlockIndex.release`), however long it queues at the worker: the
+    time from routing to the worker's ``BlockStored`` is that queue, unbounded under load.
+    Several requests sharing a prefix each count; a failed one takes back only the keys
+    nobody else holds. The deadline, ``hold_max`` after the key's last hold, is a safety
+    net for a request whose end never comes (a lost peer message): not the lifetime;
+  - ``spec``: key -> expiry, the credit a key keeps after its last holder saw its first
+    token (``speculative_ttl``: the worker's event may lag the first token a little), or
+    that an unowned guess gets (:meth:`BlockIndex.speculate`; an untracked worker's
+    entries, ``approx_ttl``). A worker's TTL is fixed, so insertion order (with refreshes
+    moved to the end) is also expiry order and LRU order.
+
+  A key may be in both (a credit and live holders); it stays a guess while it is in
+  either. Expiry, the holds' deadline and capacity eviction all pop from the fronts,
+  amortised, with no background thread.
 
 Confirmed and speculative entries of one worker never overlap (which is what lets them
-share a bit): a store confirms (drops the guess), a speculate skips keys already confirmed.
-Pure data structure: no I/O, no locks (the router calls it from its event loop), time from
-an injectable clock.
+share a bit): a store confirms (drops the guess and its holds), a speculate or hold skips
+keys already confirmed. Pure data structure: no I/O, no locks (the router calls it from its
+event loop), time from an injectable clock.
 """
 
 from __future__ import annotations
@@ -53,13 +67,15 @@ from typing import Any
 
 from kvpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["BlockIndex"]
+__all__ = ["BlockIndex", "Hold"]
 
 logger = logging.getLogger(__name__)
 
 # Rough CPython sizes for the debug figure: a 64-bit block key (3 digits) and a float.
 _INT_BYTES = sys.getsizeof(1 << 63)
 _FLOAT_BYTES = sys.getsizeof(0.0)
+# ... and a held key's (count, deadline, episode)
+_HELD_BYTES = sys.getsizeof((1, 0.0, 1)) + _FLOAT_BYTES
 
 # Shards of the block table: a prime, so that keys of any pattern spread evenly. At 50
 # million keys a shard holds ~12k, whose rebuild takes ~1.5 ms (a store may meet two or
@@ -89,6 +105,8 @@ class _Worker:
         "capacity",
         "confirmed",
         "count",
+        "guesses",
+        "held",
         "id",
         "late",
         "log",
@@ -121,7 +139,32 @@ class _Worker:
         self.late: dict[int, None] = {}
         self.log = array("Q")
         self.queued = False  # waiting for, or under, compaction
+        # speculative keys: credited until an expiry, and held by requests (see the module)
         self.spec: OrderedDict[int, float] = OrderedDict()
+        self.held: OrderedDict[int, tuple[int, float, int]] = OrderedDict()
+        self.guesses = 0  # keys in spec or held (the bits they set), each counted once
+
+
+class Hold:
+    """One request's claim on the speculative entries of its chain on one worker, from
+    :meth:`BlockIndex.hold` to :meth:`BlockIndex.release` (its first token, its end, or its
+    failure). ``keys``: those it holds (the chain's keys that were not confirmed), in chain
+    order; ``seq``: when it was taken, so that a release touches only the holds of the
+    episode it joined (a key confirmed, evicted and held again since is someone else's).
+    ``chain``: the caller's own tag (the feed's id of it on the peer link)."""
+
+    __slots__ = ("chain", "done", "keys", "seq", "worker")
+
+    def __init__(self, worker: str, keys: list[int], seq: int) -> None:
+        self.worker = worker
+        self.keys = keys
+        self.seq = seq
+        self.done = False
+        self.chain: int | None = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.done else "held"
+        return f"Hold({self.worker!r}, {len(self.keys)} keys, {state})"
 
 
 class _Retired:
@@ -163,11 +206,14 @@ class _Compaction:
 class BlockIndex:
     """Block key -> workers holding it, confirmed by KV events or speculated at routing time.
 
-    A *tracked* worker publishes KV events; its speculative entries only bridge the moment
-    between routing and the worker's own ``BlockStored`` (``speculative_ttl``). An
-    *untracked* worker publishes nothing, so speculation is all there is: entries live
-    ``approx_ttl`` (refreshed when routed again) and at most ``approx_capacity_blocks`` of
-    them, least recently routed evicted first, as the worker's own cache would.
+    A *tracked* worker publishes KV events; its speculative entries only bridge the time
+    between routing and the worker's own ``BlockStored``: while the requests that routed
+    them wait for their first token (:meth:`hold`), then ``speculative_ttl`` more for the
+    event to arrive. An *untracked* worker publishes nothing, so speculation is all there
+    is: entries live while held, then ``approx_ttl`` (refreshed when routed again), and at
+    most ``approx_capacity_blocks`` of them, least recently routed evicted first, as the
+    worker's own cache would. ``hold_max``: a key that no request has held anew for that
+    long is taken to be held by lost requests only, and dropped.
 
     Block keys are unsigned 64-bit integers, as KV events carry them. Methods taking a
     ``worker_id`` raise :class:`KeyError` for an unregistered worker: events for a worker
@@ -183,11 +229,14 @@ class BlockIndex:
         speculative_ttl: float = 2.0,
         approx_ttl: float = 120.0,
         approx_capacity_blocks: int = 50_000,
+        hold_max: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if speculative_ttl <= 0 or approx_ttl <= 0 or approx_capacity_blocks <= 0:
-            raise ValueError("TTLs and approx_capacity_blocks must be positive")
+        if min(speculative_ttl, approx_ttl, approx_capacity_blocks, hold_max) <= 0:
+            raise ValueError("TTLs, hold_max and approx_capacity_blocks must be positive")
         self.speculative_ttl = speculative_ttl
+        self.hold_max = hold_max
+        self._holds = 0  # holds taken: each one's seq
         self.approx_ttl = approx_ttl
         self.approx_capacity_blocks = approx_capacity_blocks
         self._clock = clock
@@ -266,9 +315,9 @@ class BlockIndex:
         if job is not None and job.worker is w:
             added = self._store_compacting(w, job, hashes)
         else:
-            bit, spec, shards, append = w.bit, w.spec, self._shards, w.log.append
+            bit, spec, held, shards, append = w.bit, w.spec, w.held, self._shards, w.log.append
             n = _SHARDS
-            added = confirmed = 0
+            added = confirmed = guessed = 0
             late = w.late
             h = None
             try:
@@ -287,10 +336,13 @@ class BlockIndex:
                         if late and h in late:
                             confirmed += 1
                             del late[h]
-                    elif spec and h in spec:  # a guess until now: the bit stays, confirmed
+                    elif (spec and h in spec) or (held and h in held):
+                        # a guess until now: the bit stays, confirmed; its holds end here
                         append(h)
-                        del spec[h]
+                        spec.pop(h, None)
+                        held.pop(h, None)
                         confirmed += 1
+                        guessed += 1
                     else:
                         continue
                     added += 1
@@ -299,6 +351,7 @@ class BlockIndex:
             finally:
                 w.count += added
                 w.confirmed += confirmed
+                w.guesses -= guessed
                 self._entries += added
         w.stored += added
         if added:
@@ -311,15 +364,17 @@ class BlockIndex:
     def remove(self, worker_id: str, hashes: Iterable[int]) -> None:
         """The worker evicted these blocks; a block it does not hold is ignored."""
         w = self._get(worker_id)
-        bit, spec, shards, canon = w.bit, w.spec, self._shards, self._canon
+        bit, spec, held, shards, canon = w.bit, w.spec, w.held, self._shards, self._canon
         n = _SHARDS
         removed = 0
         for h in hashes:
             table = shards[h % n]
             m = table.get(h)
             if m is not None and m & bit:
-                if spec and h in spec:
-                    del spec[h]
+                if (spec and h in spec) or (held and h in held):
+                    spec.pop(h, None)
+                    held.pop(h, None)
+                    w.guesses -= 1
                 else:
                     removed += 1  # the key stays in the log: compaction drops it there
                 rest = m ^ bit
@@ -352,17 +407,18 @@ class BlockIndex:
     # ---- speculative entries (routing decisions) ----
 
     def speculate(self, worker_id: str, hashes: Sequence[int]) -> list[int]:
-        """The router just sent this chain to the worker: count it as held until the worker's
-        events confirm it (tracked) or for ``approx_ttl`` (untracked).
+        """Count the chain as held by the worker for a while, with no request owning the
+        guess: ``speculative_ttl`` unless the worker's events confirm it first (tracked),
+        ``approx_ttl`` (untracked). What a replica of the release before holds came sends
+        (:mod:`.peers`); the router's own requests :meth:`hold` their chains instead.
 
         Returns the keys this call added (not those already confirmed or already
-        speculative, which are only refreshed): what :meth:`withdraw` takes back if the
-        request never reaches the worker's cache."""
+        speculative, which are only refreshed): what :meth:`withdraw` takes back."""
         w = self._get(worker_id)
         now = self._clock()
         self._expire(now)
         expiry = now + w.ttl
-        bit, spec, shards = w.bit, w.spec, self._shards
+        bit, spec, held, shards = w.bit, w.spec, w.held, self._shards
         n = _SHARDS
         added: list[int] = []
         # Back to front, so the chain's head is the most recently used: like vLLM freeing a
@@ -378,38 +434,132 @@ class BlockIndex:
                 spec.move_to_end(h)
                 spec[h] = expiry
                 continue
+            elif held and h in held:  # held: credited as well, for after its holds
+                spec[h] = expiry
+                continue
             else:
                 continue  # confirmed
             added.append(h)
             spec[h] = expiry
+        w.guesses += len(added)
         late = w.late
         w.speculated += len(added) - (sum(1 for h in added if h in late) if late else 0)
-        if w.capacity is not None:
-            while len(spec) > w.capacity:
-                self._unset_bit(spec.popitem(last=False)[0], bit)
+        if w.capacity is not None and w.guesses > w.capacity:
+            self._evict(w)
         if expiry < self._next_expiry:
             self._next_expiry = expiry
         added.reverse()  # in chain order
         return added
 
-    def withdraw(self, worker_id: str, hashes: Iterable[int]) -> None:
-        """Take back speculative entries of the worker (those :meth:`speculate` returned for
-        a request that failed before the worker computed anything: a 429, a refused
-        connection). Otherwise an untracked worker would keep cache credit it never earned
-        for ``approx_ttl``. Confirmed entries are the worker's own word and stay.
+    def hold(self, worker_id: str, hashes: Sequence[int]) -> Hold:
+        """The router sends this chain to the worker for a request: count it as held there
+        until the request is done with it (:meth:`release`: its first token, its end, its
+        failure) or the worker's events confirm it, however long it queues there first.
 
-        Not an undo: entries the speculation evicted for capacity stay evicted, and a key
-        that another request to the same worker refreshed meanwhile goes too (its credit is
-        lost early, an underestimate the worker's events or the next routing repair)."""
+        Every key of the chain not confirmed is held, whether this call made it a guess or
+        another request (or an unowned guess) did: a key stays a guess while any request
+        holds it. O(len(hashes)), whatever the number of requests in flight."""
         w = self._get(worker_id)
-        spec = w.spec
+        now = self._clock()
+        self._expire(now)
+        self._holds += 1
+        seq = self._holds
+        deadline = now + self.hold_max
+        bit, spec, held, shards = w.bit, w.spec, w.held, self._shards
+        n = _SHARDS
+        keys: list[int] = []
+        fresh = 0
+        late = w.late
+        for h in reversed(hashes):  # back to front: the chain's head the last to evict
+            table = shards[h % n]
+            m = table.get(h)
+            if m is None or not m & bit:
+                table[h] = bit if m is None else m | bit
+                held[h] = (1, deadline, seq)
+                fresh += 1
+                if not (late and h in late):
+                    w.speculated += 1
+            else:
+                c = held.get(h)
+                if c is not None:  # held by others too
+                    held[h] = (c[0] + 1, deadline, c[2])
+                    held.move_to_end(h)
+                elif h in spec:  # an unowned guess, or a credit after its holds: held
+                    held[h] = (1, deadline, seq)
+                else:
+                    continue  # confirmed: the worker's own word, nothing to hold
+            keys.append(h)
+        w.guesses += fresh
+        if w.capacity is not None and w.guesses > w.capacity:
+            self._evict(w)
+        if deadline < self._next_expiry:
+            self._next_expiry = deadline
+        keys.reverse()  # in chain order
+        return Hold(worker_id, keys, seq)
+
+    def release(self, hold: Hold, *, failed: bool = False) -> None:
+        """The request of ``hold`` is done waiting for the worker; once only (later calls,
+        and a hold on a worker since removed, change nothing).
+
+        Done (``failed`` false: its first token, or its end): the worker has computed the
+        blocks and its ``BlockStored`` is on its way. Each key keeps ``speculative_ttl`` of
+        credit (``approx_ttl`` for an untracked worker) beyond its holds, so that the event
+        finds the guess to confirm and no request meanwhile finds the prefix missing.
+
+        Failed (a 429, a refused connection, no first token in time: the worker computed
+        nothing for it): each key that no other request holds, and that no earlier
+        request's credit keeps, goes at once; the others stay, theirs."""
+        if hold.done:
+            return
+        hold.done = True
+        w = self._workers.get(hold.worker)
+        if w is None or not hold.keys:
+            return
+        now = self._clock()
+        self._expire(now)  # a key whose holds ran out meanwhile is no longer this hold's
+        spec, held, seq = w.spec, w.held, hold.seq
+        expiry = now + w.ttl
+        for h in hold.keys:
+            c = held.get(h)
+            if c is None or c[2] > seq:  # confirmed, evicted or expired since (and held anew)
+                continue
+            left = c[0] - 1
+            if left:
+                held[h] = (left, c[1], c[2])
+            else:
+                del held[h]
+            if not failed:
+                spec[h] = expiry
+                spec.move_to_end(h)
+            elif not left and h not in spec:
+                self._unset_bit(h, w.bit)
+                w.guesses -= 1
+                if h not in w.late:
+                    w.speculated -= 1  # never sent after all
+        if not failed and expiry < self._next_expiry:
+            self._next_expiry = expiry
+
+    def withdraw(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """Take back unowned guesses of the worker (keys :meth:`speculate` returned, for a
+        request that failed before the worker computed anything). Otherwise an untracked
+        worker would keep cache credit it never earned for ``approx_ttl``. Confirmed
+        entries are the worker's own word and stay, and so do keys a request holds.
+
+        Not an undo: entries the speculation evicted for capacity stay evicted. A request's
+        own chain is taken back by ``release(hold, failed=True)``, which knows which keys
+        are its alone."""
+        w = self._get(worker_id)
+        spec, held = w.spec, w.held
         if not spec:
             return
         bit = w.bit
         for h in hashes:
             if h in spec:
                 del spec[h]
+                if held and h in held:
+                    continue
                 self._unset_bit(h, bit)
+                w.guesses -= 1
                 if h not in w.late:
                     w.speculated -= 1  # never sent after all
 
@@ -486,10 +636,17 @@ class BlockIndex:
         return w.speculated, w.confirmed, w.stored
 
     def num_speculative(self, worker_id: str) -> int:
-        """Unexpired speculative blocks of the worker (never counting a confirmed one)."""
+        """Unexpired speculative blocks of the worker, held or not (never counting a
+        confirmed one)."""
         w = self._get(worker_id)
         self._expire(self._clock())
-        return len(w.spec)
+        return w.guesses
+
+    def num_held(self, worker_id: str) -> int:
+        """Speculative blocks of the worker that requests still hold."""
+        w = self._get(worker_id)
+        self._expire(self._clock())
+        return len(w.held)
 
     def num_entries(self) -> int:
         """Confirmed (block, worker) entries in all."""
@@ -502,7 +659,8 @@ class BlockIndex:
         """A JSON-ready picture for a debug endpoint. ``distinct_blocks`` counts the table's
         keys: confirmed or speculative, and those whose holders were all cleared and that
         await a sweep (``pending_sweep`` says how many keys that is still to visit);
-        ``approx_bytes`` is an estimate."""
+        ``held_entries``: the speculative ones requests in flight hold (a worker's
+        ``held``, when it has any); ``approx_bytes`` is an estimate."""
         self._expire(self._clock())
         keys = sum(len(t) for t in self._shards)
         size = sum(sys.getsizeof(t) for t in self._shards)
@@ -515,11 +673,15 @@ class BlockIndex:
         workers: dict[str, dict[str, Any]] = {}
         for wid, w in self._workers.items():
             size += sys.getsizeof(w.log) + sys.getsizeof(w.spec) + len(w.spec) * _FLOAT_BYTES
-            workers[wid] = {"tracked": w.tracked, "blocks": w.count, "speculative": len(w.spec)}
+            size += sys.getsizeof(w.held) + len(w.held) * _HELD_BYTES
+            workers[wid] = {"tracked": w.tracked, "blocks": w.count, "speculative": w.guesses}
+            if w.held:
+                workers[wid]["held"] = len(w.held)
         return {
             "workers": workers,
             "entries": self._entries,
-            "speculative_entries": sum(len(w.spec) for w in self._workers.values()),
+            "speculative_entries": sum(w.guesses for w in self._workers.values()),
+            "held_entries": sum(len(w.held) for w in self._workers.values()),
             "distinct_blocks": keys,
             "pending_sweep": self._pending,
             "approx_bytes": size,
@@ -576,12 +738,15 @@ class BlockIndex:
             self._end_compaction(job)
         if w.log:
             parts.append((iter(memoryview(w.log)), len(w.log)))
-        if w.spec:  # frozen from now on: the worker gets a new one
-            parts.append((iter(w.spec), len(w.spec)))
+        for guesses in (w.spec, w.held):  # frozen from now on: the worker gets new ones
+            if guesses:
+                parts.append((iter(guesses), len(guesses)))
         self._entries -= w.count
         w.count = 0
         w.log = array("Q")
         w.spec = OrderedDict()
+        w.held = OrderedDict()
+        w.guesses = 0
         del self._by_bit[w.bit]
         del self._canon[w.bit]
         self._all_bits &= ~w.bit
@@ -624,6 +789,7 @@ class BlockIndex:
         in phase 1 a key appended gets the mark, so that the walk of the old log does not
         copy it a second time."""
         bit, mark, spec, shards, append = w.bit, job.mark, w.spec, self._shards, w.log.append
+        held = w.held
         new = job.both if job.src is not None else bit  # what an appended key gets
         canon, n = self._canon, _SHARDS
         added = 0
@@ -633,12 +799,14 @@ class BlockIndex:
                 table = shards[h % n]
                 m = table.get(h, 0)
                 if m & bit:
-                    if not (spec and h in spec):
+                    if not ((spec and h in spec) or (held and h in held)):
                         continue
                     if not m & mark:  # a guess until now: its key may not be in the log
                         append(h)
                         table[h] = canon.get(m | (new ^ bit), m | (new ^ bit))
-                    del spec[h]
+                    spec.pop(h, None)
+                    held.pop(h, None)
+                    w.guesses -= 1
                     w.confirmed += 1
                 elif m & mark:
                     table[h] = canon.get(m | bit, m | bit)
@@ -718,14 +886,31 @@ class BlockIndex:
         job.worker.queued = False
         self._compaction = None
 
+    def _evict(self, w: _Worker) -> None:
+        """An untracked worker over its capacity: drop its least recently routed guesses,
+        unheld first (a held key is a block a request in flight is using: the worker's own
+        cache keeps it too), until it fits."""
+        spec, held, bit, capacity = w.spec, w.held, w.bit, w.capacity
+        assert capacity is not None
+        while w.guesses > capacity and spec:
+            h = spec.popitem(last=False)[0]
+            if not (held and h in held):
+                self._unset_bit(h, bit)
+                w.guesses -= 1
+        while w.guesses > capacity and held:
+            self._unset_bit(held.popitem(last=False)[0], bit)
+            w.guesses -= 1
+
     def _expire(self, now: float) -> None:
-        """Pop speculative entries whose time is up (expiry <= now), oldest first; each
-        worker's entries are in expiry order, so this stops at the first live one."""
+        """Pop speculative entries whose time is up (expiry <= now), oldest first: credits
+        that ran out, and holds past their deadline (``hold_max`` after the key was last
+        held: its requests are lost). Each worker's entries are in expiry order, so this
+        stops at the first live one of each."""
         if now < self._next_expiry:
             return
         next_expiry = math.inf
         for w in self._workers.values():
-            spec = w.spec
+            spec, held = w.spec, w.held
             while spec:
                 h = next(iter(spec))
                 expiry = spec[h]
@@ -733,10 +918,25 @@ class BlockIndex:
                     next_expiry = min(next_expiry, expiry)
                     break
                 del spec[h]
-                self._unset_bit(h, w.bit)
-                if w.tracked:
-                    late = w.late
-                    late[h] = None
-                    if len(late) > _LATE_KEYS:
-                        del late[next(iter(late))]
+                if not (held and h in held):
+                    self._drop_guess(w, h)
+            while held:
+                h = next(iter(held))
+                expiry = held[h][1]
+                if expiry > now:
+                    next_expiry = min(next_expiry, expiry)
+                    break
+                del held[h]
+                if h not in spec:
+                    self._drop_guess(w, h)
         self._next_expiry = next_expiry
+
+    def _drop_guess(self, w: _Worker, h: int) -> None:
+        """A guess ran out unconfirmed: off the table, remembered a while (tracked)."""
+        self._unset_bit(h, w.bit)
+        w.guesses -= 1
+        if w.tracked:
+            late = w.late
+            late[h] = None
+            if len(late) > _LATE_KEYS:
+                del late[next(iter(late))]

@@ -42,7 +42,10 @@ _STREAM = {
 }
 _COMMON = {
     "model": {"type": "string", "description": "a served model or LoRA adapter (/v1/models)"},
-    "user": {"type": "string", "description": "also a session key for affinity"},
+    "user": {
+        "type": "string",
+        "description": "a session key for affinity, with --session-from-user",
+    },
     "cache_salt": {"type": "string"},
 }
 _CHAT_TEMPLATE = {

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .agreement import UNJUDGED
 from .load import PrefillModel
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "POLICIES",
     "REASONS",
     "SCORERS",
+    "BatchCredit",
     "Candidate",
     "Decision",
     "Plan",
@@ -105,11 +107,28 @@ class WorkerView:
     active_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class BatchCredit:
+    """The cache a batch's later prompts find (a completion's list of prompts: vLLM prefills
+    each as a request of its own), added to what its first prompt is credited. Of the
+    router's making (``tokens.Batch.credit``): the index's lookups of each prompt."""
+
+    #: the first prompt's tokens: its own credit stops one short of them
+    first_tokens: int
+    #: the later prompts' tokens cached wherever the batch goes: blocks an earlier prompt
+    #: of the batch computes before them
+    shared: int = 0
+    #: worker -> the later prompts' tokens cached there besides: blocks it holds
+    held: dict[str, int] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class RouteRequest:
+    #: the prompt tokens the worker prefills, cache aside (a batch's every prompt)
     num_tokens: int
     block_size: int
-    matched_blocks: dict[str, int]  # worker -> leading blocks of the prompt it holds
+    #: worker -> leading blocks of the prompt (a batch's first) it holds
+    matched_blocks: dict[str, int]
     model: str | None = None
     roles: tuple[Role, ...] = ("both", "decode")
     affinity: str | None = None  # the worker this request's session was last sent to
@@ -123,6 +142,15 @@ class RouteRequest:
     #: worker -> how many of the prompt's leading blocks are computed there at most (a
     #: request still prefilling the rest); absent: all it holds
     computed_blocks: dict[str, int] = field(default_factory=dict)
+    #: False: the worker reads no prefix cache for it (vLLM, when it computes the prompt's
+    #: logprobs): no cache credit anywhere, and its answer's cached tokens say nothing of
+    #: the worker's cache
+    reads_cache: bool = True
+    #: a batch of prompts: what its later prompts find cached
+    batch: BatchCredit | None = None
+    #: False: the worker's prompt begins with more than the request carries (a Responses
+    #: request continuing a stored response: vLLM puts that conversation first)
+    whole_prompt: bool = True
     # The last token is always computed, so a fully cached prompt still prefills one.
     _most_cached: int = field(init=False, repr=False, compare=False)
     # Within one :meth:`Policy.decide`: each worker's predicted TTFT, computed once for its
@@ -130,15 +158,28 @@ class RouteRequest:
     _ttft: dict[str, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._most_cached = max(self.num_tokens - 1, 0)
+        first = self.batch.first_tokens if self.batch is not None else self.num_tokens
+        self._most_cached = max(first - 1, 0)
         self._ttft = {}
+
+    @property
+    def judged(self) -> bool:
+        """Whether its answer's cached tokens measure the prediction: not when it reads no
+        cache, nor for a batch (vLLM's usage names one prompt's cached tokens, not all),
+        nor when the worker's prompt is more than the router matched."""
+        return self.reads_cache and self.batch is None and self.whole_prompt
 
     def cached_tokens(self, worker: WorkerView) -> int:
         # asked of every worker by several scorers in each decision: kept lean
-        if not worker.compatible:
+        if not worker.compatible or not self.reads_cache:
             return 0
         hit = self.matched_blocks.get(worker.id, 0) * self.block_size
-        return hit if hit < self._most_cached else self._most_cached
+        if hit > self._most_cached:
+            hit = self._most_cached
+        batch = self.batch
+        if batch is not None:
+            hit += batch.shared + batch.held.get(worker.id, 0)
+        return hit
 
 
 @dataclass(slots=True)
@@ -169,7 +210,8 @@ class Decision:
     predicted_ttft_s: float | None = None
     #: what the index says the chosen worker holds of the prompt, in tokens, whether or not
     #: it is credited (a worker whose cache disagrees with the index gets no credit, but
-    #: its answers are still checked against this)
+    #: its answers are still checked against this); ``agreement.UNJUDGED`` when its
+    #: answer cannot be checked (:attr:`RouteRequest.judged`)
     matched_tokens: int = 0
     #: the prompt tokens routing judged queued ahead of it there
     queued_tokens: int = 0
@@ -532,7 +574,9 @@ class Policy:
             predicted_ttft_s=row.predicted_ttft_s,
             matched_tokens=min(
                 req.matched_blocks.get(chosen.id, 0) * req.block_size, req._most_cached
-            ),
+            )
+            if req.judged
+            else UNJUDGED,
             queued_tokens=row.queued_tokens,
         )
 
@@ -670,6 +714,7 @@ PD_REASONS = (
     "below_threshold",  # Auto: few enough uncached tokens for the decode worker to compute
     "no_blocks_to_move",  # no full prompt block is missing where it would be decoded
     "batch",  # several prompts in one request: the hand-off carries one
+    "prompt_logprobs",  # its prompt's logprobs are asked for: computed where it is answered
     "no_prefill_worker",  # no prefill worker can take it now: served whole
     "no_worker",  # no worker at all
     "pinned",  # continues a stored response (previous_response_id): served by its worker
@@ -769,6 +814,10 @@ class Planner:
             return whole("mode_aggregated")
         if not splittable:
             return whole("batch")
+        if not req.reads_cache:
+            # The worker that answers computes the prompt's logprobs, so the whole prompt:
+            # a decode leg would have its blocks pulled instead, and no logits for them.
+            return whole("prompt_logprobs")
         chosen = next(w for w in workers if w.id == agg.worker)
         held = req.matched_blocks.get(chosen.id, 0) if chosen.compatible else 0
         if held >= req.num_tokens // req.block_size:

@@ -3,13 +3,18 @@
 For each worker the pool keeps what the policy needs at decision time (a
 :class:`~kvpool.router.policy.WorkerView`) and three background tasks:
 
-* **health**: ``GET /health`` every ``health_interval_s``. A refused connection or no
-  answer within ``health_timeout_s`` takes the worker out of rotation and drops its index
-  entries (a dead worker's cache is gone); a 503 (loading or draining) takes it out of
-  rotation only. When it answers 200 again it is registered again: ``GET /kvpool/info``
-  tells block size, hash seed, model and event endpoints. A worker that publishes KV events
-  enters rotation once its event history (the publisher's replay buffer, from the start)
-  is in the index: ``syncing`` until then, at most ``index_sync_timeout_s``. A router that
+* **health**: ``GET /health`` every ``health_interval_s``. A refused connection, or no
+  answer within ``health_timeout_s`` of the router's responsive time (a stall of the
+  router's own loop is not the worker's slowness: :mod:`.stall`), takes the worker out of
+  rotation; so does a 503 (loading or draining). Health is not cache loss: its index
+  entries and its KV event stream stay, until there is evidence that its cache is gone
+  (its events say ``AllBlocksCleared`` or show a restart, it registers with another boot
+  id, or it leaves discovery), so a worker that was only slow comes back with everything
+  it held, and without a replay. When it answers 200 again it is registered again:
+  ``GET /kvpool/info`` tells block size, hash seed, model, event endpoints and boot id. A
+  worker whose event stream is new enters rotation once its event history (the
+  publisher's replay buffer, from the start) is in the index: ``syncing`` until then, at
+  most ``index_sync_timeout_s``. A router that
   starts in front of busy workers so routes on what they hold, and stays unready (its
   ``/health``) meanwhile. A worker whose block size or hash
   seed differ from the router's is kept, but scored without cache credit, and reported.
@@ -48,6 +53,7 @@ from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import EventSubscriber
 from kvpool.openai_api import WorkerInfo
 from kvpool.signing import kv_events_credential
+from kvpool.stall import LoopClock
 
 from .agreement import AgreementConfig, CacheAgreement
 from .discovery import WorkerEndpoint
@@ -218,6 +224,12 @@ PrefillSource = Literal["own", "median", "pool", "prior"]
 TYPICAL_EVERY_S = 0.25
 
 
+def _boot(info: WorkerInfo) -> str:
+    """What names a worker's process: its boot id, or for a release without one its KV
+    transfer engine id (also new at each start)."""
+    return info.boot_id or info.kv_transfer_engine_id
+
+
 class WorkerPool:
     """The workers the router knows, kept current by discovery and by their own answers."""
 
@@ -228,9 +240,12 @@ class WorkerPool:
         client: aiohttp.ClientSession,
         *,
         on_event_lag: Callable[[float], None] | None = None,
+        clock: LoopClock | None = None,
     ) -> None:
         self.config = config
         self.index = index
+        #: the router's responsive time, which health checks are timed by
+        self.clock = clock or LoopClock()
         #: (until when, how many learned models, their median model): see _typical_prefill
         self._typical: tuple[float, int, PrefillModel] | None = None
         #: one model fitted to every worker's TTFTs: see _typical_prefill
@@ -295,6 +310,7 @@ class WorkerPool:
         tasks = [t for s in self.workers.values() for t in [*s.tasks, s.events_task] if t]
         for wid in list(self.workers):
             self._remove(wid)
+        self.clock.close()
         sweeper = self.feed.close()
         if sweeper is not None:
             tasks.append(sweeper)
@@ -430,7 +446,8 @@ class WorkerPool:
     # -- health and registration ----------------------------------------------------------
 
     def mark_down(self, state: WorkerState, why: str, *, dead: bool = False) -> None:
-        """Out of rotation now and its index entries dropped (its cache went with it). The
+        """Out of rotation now. Its index entries and its event stream stay: failing a
+        check is no evidence that its cache is gone (see the module's docstring). The
         attempts in flight on it are aborted (a hung worker answers them never) when it is
         ``dead`` (its connections are refused) or fails a second check in a row: one slow
         health check of a busy worker must not send all its requests to the others."""
@@ -442,7 +459,10 @@ class WorkerPool:
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
         state.itl_totals = None  # a restarted worker counts from zero again
         state.status = "down"
-        self.feed.forget(state, remove=False)
+        if dead and not state.tracked:
+            # No events to show a restart: its entries are the router's own guesses, and a
+            # refused connection says the process they were about is gone.
+            self.feed.clear(state)
         if dead or was_down:
             self._abort_attempts(state, why)
 
@@ -465,9 +485,13 @@ class WorkerPool:
             await asyncio.sleep(cfg.health_interval_s)
 
     async def _get(self, url: str) -> tuple[int, bytes]:
-        """A GET within the health timeout: the status and the body."""
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        async with self.client.get(url, timeout=timeout) as resp:
+        """A GET within the health timeout (of the router's responsive time): the status
+        and the body."""
+        return await self.clock.within(self._get_now(url), self.config.health_timeout_s)
+
+    async def _get_now(self, url: str) -> tuple[int, bytes]:
+        untimed = aiohttp.ClientTimeout(total=None, connect=None)  # timed by the caller
+        async with self.client.get(url, timeout=untimed) as resp:
             return resp.status, await resp.read()
 
     async def _check_health(self, state: WorkerState) -> None:
@@ -507,6 +531,10 @@ class WorkerPool:
             if state.status == "registering":
                 state.status = "unavailable"  # not in rotation, and known not to be coming
             return
+        if info is not None and state.info is not None and _boot(info) != _boot(state.info):
+            # Another process under the same address: what the last one held is gone.
+            log.warning("worker %s restarted (a new boot id): its index entries go", state.id)
+            self.feed.forget(state, remove=False)
         state.info = info
         if state.agreement is not None:
             state.agreement.restarted()
@@ -523,8 +551,12 @@ class WorkerPool:
             state.mismatches += 1
         events = self._events_endpoints(state)
         state.tracked = events is not None
+        if state.subscriber is not None and (events is None or not state.compatible):
+            self.feed.forget(state, remove=False)  # its stream is no longer to be read
         self.feed.track(state)
-        if events is not None and state.compatible:
+        if events is not None and state.compatible and self.feed.streaming(state, *events):
+            pass  # its stream ran on while it was out: nothing was lost, nothing to replay
+        elif events is not None and state.compatible:
             secret = self.config.pool_secret
             # Only a kvpool worker (it has /kvpool/info) checks the credential; a vLLM
             # publisher speaks ZMQ's NULL mechanism and would refuse one.

@@ -16,11 +16,14 @@ before its engine sees it:
   template as the object they encode;
 * content the router cannot tokenize (images, audio, video, files) ends the part of the
   prompt that gets cache credit: its blocks would carry the media's hash in vLLM, and ours
-  cannot, so only the text before the first such part is hashed (the rest still counts as
-  prompt to prefill);
+  cannot, so only the text before the first such part is hashed; the text after it, and
+  every such part (as the tokens the worker's processor makes of one), still count as
+  prompt to prefill;
 * a Responses API request (``/v1/responses``) becomes the chat it stands for:
   ``instructions`` a system turn, ``input`` the turns, function calls and their outputs
-  assistant tool calls and tool turns.
+  assistant tool calls and tool turns;
+* a request whose prompt logprobs are asked for reads no prefix cache in vLLM
+  (:func:`reads_prefix_cache`): it gets no cache credit anywhere.
 
 Pure functions of the parsed JSON; errors are :class:`~kvpool.openai_api.OpenAIError`
 (400) naming the field.
@@ -34,7 +37,14 @@ from typing import Any, Literal
 
 from kvpool.openai_api import OpenAIError
 
-__all__ = ["MEDIA_SENTINEL", "Kind", "RoutingFields", "parse_body", "read_fields"]
+__all__ = [
+    "MEDIA_SENTINEL",
+    "Kind",
+    "RoutingFields",
+    "parse_body",
+    "read_fields",
+    "reads_prefix_cache",
+]
 
 Kind = Literal["completion", "chat", "responses"]
 
@@ -56,7 +66,8 @@ class RoutingFields:
     include_usage: bool
     user: str | None = None
     cache_salt: str | None = None
-    #: completions: the prompts (text or token ids); the first routes a batch
+    #: completions: the prompts (text or token ids); the first routes a batch, and each is
+    #: prefilled as a request of its own
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
@@ -69,6 +80,11 @@ class RoutingFields:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     #: the type of the first content part the router cannot tokenize, if any
     media: str | None = None
+    #: how many content parts the router cannot tokenize there are (images, audio, ...):
+    #: each is prompt the worker prefills, as many tokens as its processor makes of it
+    media_parts: int = 0
+    #: whether vLLM looks the prompt up in its prefix cache (:func:`reads_prefix_cache`)
+    reads_cache: bool = True
     kv_transfer_params: bool = False
     #: Responses API: the stored response this request continues
     previous_response_id: str | None = None
@@ -127,6 +143,7 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         user=_opt(obj, "user", str, "a string"),
         cache_salt=_opt(obj, "cache_salt", str, "a string"),
         kv_transfer_params=obj.get("kv_transfer_params") is not None,
+        reads_cache=reads_prefix_cache(obj, kind),
     )
     if kind == "completion":
         fields.prompts = _prompts(obj)
@@ -137,12 +154,12 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "must be a non-empty list of messages")
-        fields.messages, fields.media = _messages(messages)
+        fields.messages, fields.media, fields.media_parts = _messages(messages)
         tools = _tools(_opt(obj, "tools", list, "a list"))
         fields.add_special_tokens = _flag(obj, "add_special_tokens", False)
         fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
     else:
-        fields.messages, fields.media = _responses_input(obj)
+        fields.messages, fields.media, fields.media_parts = _responses_input(obj)
         fields.previous_response_id = _opt(obj, "previous_response_id", str, "a string")
         tools = _tools(_responses_tools(_opt(obj, "tools", list, "a list")))
         fields.add_special_tokens = False
@@ -164,6 +181,23 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
             fields.template[name] = kwargs.pop(name)
     fields.chat_template_kwargs = kwargs
     return fields
+
+
+def reads_prefix_cache(obj: dict[str, Any], kind: Kind) -> bool:
+    """Whether vLLM reads its prefix cache for this body. It does not when it computes the
+    prompt's logprobs (``SamplingParams.skip_reading_prefix_cache`` defaults to
+    ``prompt_logprobs is not None``: a prefix read from the cache has no logits). A body
+    asks for them with ``prompt_logprobs`` (or ``prompt_logprob_token_ids``), or with
+    ``echo``, which takes them from a completion's ``logprobs`` (unless null) or a chat's
+    ``top_logprobs`` (0, not null, when not given). The worker still writes the prompt's
+    blocks; only its hits are none."""
+    if obj.get("prompt_logprobs") is not None or obj.get("prompt_logprob_token_ids") is not None:
+        return False
+    if kind == "responses" or obj.get("echo") is not True:
+        return True
+    if kind == "completion":
+        return obj.get("logprobs") is None
+    return "top_logprobs" in obj and obj["top_logprobs"] is None
 
 
 def _flag(obj: dict[str, Any], name: str, default: bool) -> bool:
@@ -202,39 +236,43 @@ def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def _messages(messages: list[Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """The messages as vLLM gives them to a chat template, and the type of the first part
-    the router cannot tokenize (where :data:`MEDIA_SENTINEL` stands; later ones are
-    left out)."""
+def _messages(messages: list[Any]) -> tuple[list[dict[str, Any]], str | None, int]:
+    """The messages as vLLM gives them to a chat template, the type of the first part the
+    router cannot tokenize (where :data:`MEDIA_SENTINEL` stands; later ones are left out
+    of the text), and how many such parts there are."""
     out: list[dict[str, Any]] = []
     media: str | None = None
+    parts = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise _bad(f"messages.{i}", "must be an object")
         if not isinstance(m.get("role"), str):
             raise _bad(f"messages.{i}.role", "must be a string")
         msg = dict(m)
-        msg["content"], first = _content(msg.get("content"), f"messages.{i}.content", media)
+        msg["content"], first, n = _content(msg.get("content"), f"messages.{i}.content", media)
         media = media or first
+        parts += n
         calls = msg.get("tool_calls")
         if isinstance(calls, list):
             msg["tool_calls"] = [_tool_call(c) for c in calls]
         out.append(msg)
-    return out, media
+    return out, media, parts
 
 
-def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | None]:
-    """Text parts joined with a newline, as vLLM does for templates that take a string.
-    The first untokenizable part of the request becomes the sentinel (``media`` says
-    whether one came before); later ones are dropped."""
+def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | None, int]:
+    """Text parts joined with a newline, as vLLM does for templates that take a string,
+    and how many parts are not text. The first untokenizable part of the request becomes
+    the sentinel (``media`` says whether one came before); later ones are left out of the
+    text, and only counted."""
     if content is None:
-        return "", None  # vLLM gives templates an empty string
+        return "", None, 0  # vLLM gives templates an empty string
     if isinstance(content, str):
-        return content, None
+        return content, None, 0
     if not isinstance(content, list):
         raise _bad(param, "must be a string or a list of content parts")
     texts: list[str] = []
     first: str | None = None
+    parts = 0
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
@@ -247,10 +285,12 @@ def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | No
             if not isinstance(text, str):
                 raise _bad(f"{param}.{j}.text", "must be a string")
             texts.append(text)
-        elif media is None and first is None:
+            continue
+        parts += 1
+        if media is None and first is None:
             first = str(kind or "unknown")
             texts.append(MEDIA_SENTINEL)
-    return "\n".join(texts), first
+    return "\n".join(texts), first, parts
 
 
 def _tool_call(call: Any) -> Any:
@@ -296,8 +336,9 @@ def _tools(tools: list[Any] | None) -> list[Any] | None:
     return out
 
 
-def _responses_input(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """A Responses API ``input`` (and ``instructions``) as chat messages."""
+def _responses_input(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None, int]:
+    """A Responses API ``input`` (and ``instructions``) as chat messages, and what
+    :func:`_messages` says of the parts the router cannot tokenize."""
     messages: list[dict[str, Any]] = []
     instructions = _opt(obj, "instructions", str, "a string")
     if instructions:
@@ -305,17 +346,19 @@ def _responses_input(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str | N
     given = obj.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
-        return messages, None
+        return messages, None, 0
     if not isinstance(given, list) or not given:
         raise _bad("input", "must be a string or a non-empty list of input items")
     media: str | None = None
+    parts = 0
     for i, item in enumerate(given):
         if not isinstance(item, dict):
             raise _bad(f"input.{i}", "must be an object")
         kind = item.get("type", "message")
         if kind == "message":
-            content, first = _content(item.get("content"), f"input.{i}.content", media)
+            content, first, n = _content(item.get("content"), f"input.{i}.content", media)
             media = media or first
+            parts += n
             messages.append({"role": item.get("role", "user"), "content": content})
         elif kind == "function_call":
             call = {
@@ -336,7 +379,7 @@ def _responses_input(obj: dict[str, Any]) -> tuple[list[dict[str, Any]], str | N
         elif media is None:  # reasoning, file search results...: text the router cannot place
             media = str(kind)
             messages.append({"role": "user", "content": MEDIA_SENTINEL})
-    return messages, media
+    return messages, media, parts
 
 
 def _responses_tools(tools: list[Any] | None) -> list[Any] | None:

@@ -31,8 +31,9 @@ from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
-from kvpool.httpguard import BodyError, read_body
+from kvpool.httpguard import BodyError, raise_open_files_limit, read_body
 from kvpool.openai_api import OpenAIError, exception_handlers
+from kvpool.stall import LoopClock
 from kvpool.tokenization import (
     PrefixTokenCache,
     load_tokenizer,
@@ -56,7 +57,7 @@ from .relay import (
 )
 from .request import Kind, RoutingFields, parse_body, read_fields
 from .settings import RouterSettings
-from .tokens import PromptKeys
+from .tokens import PromptKeys, PromptTokens, media_part_tokens
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Router(AdminEndpoints):
         self.policy = self.planner.aggregated
         self.index = BlockIndex(
             speculative_ttl=s.speculative_ttl_s,
+            hold_max=s.speculative_hold_max_s,
             approx_ttl=s.approx_ttl_s,
             approx_capacity_blocks=s.approx_capacity_blocks,
         )
@@ -134,7 +136,10 @@ class Router(AdminEndpoints):
         self.token_cache = PrefixTokenCache(
             self.tokenizer, capacity_bytes=int(s.token_cache_mib * 2**20)
         )
-        self.prompt_keys = PromptKeys(self.tokenizer, self.token_cache, self.hasher)
+        media = s.media_part_tokens
+        if media is None:  # what the model's config says one image is
+            media = media_part_tokens(s.model)
+        self.prompt_keys = PromptKeys(self.tokenizer, self.token_cache, self.hasher, media)
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
         # vLLM started with --api-key wants it on /v1/* (its model list too)
@@ -146,9 +151,16 @@ class Router(AdminEndpoints):
             skip_auto_headers=("User-Agent",),
             headers=auth,
         )
-        self.http = Upstream(s.connect_timeout_s, headers=auth)
+        # health checks and connects are timed by the loop's responsive time (stall.py)
+        self.clock = LoopClock()
+        self.clock.start()
+        self.http = Upstream(s.connect_timeout_s, headers=auth, clock=self.clock)
         self.pool = WorkerPool(
-            s.pool_config(), self.index, self.upstream, on_event_lag=self._on_event_lag
+            s.pool_config(),
+            self.index,
+            self.upstream,
+            on_event_lag=self._on_event_lag,
+            clock=self.clock,
         )
         pool = self.pool
         peer_bind, peers = self.slot.peering(s.peer_bind, s.peer)
@@ -162,6 +174,9 @@ class Router(AdminEndpoints):
                 rows=pool.own_rows,
                 on_load=pool.peer_load,
                 on_speculated=pool.feed.peer_speculated,
+                on_held=pool.feed.peer_held,
+                on_ended=pool.feed.peer_ended,
+                hold_max_s=s.speculative_hold_max_s,
                 on_pinned=self._peer_pinned,
                 secret=secret,
             )
@@ -176,6 +191,7 @@ class Router(AdminEndpoints):
             prefill_rates=pool.prefill_rates,
         )
         self._share_task = asyncio.create_task(self.metrics.share())
+        raise_open_files_limit()  # every stream is two open files: before the gate's bound
         self.gate = Gate(s, self.metrics, self._saturation)
         self.gate.start()
         self.forwarder = Forwarder(
@@ -240,7 +256,7 @@ class Router(AdminEndpoints):
                 with contextlib.suppress(BaseException):
                     await task
         if self.pool is not None:
-            await self.pool.close()
+            await self.pool.close()  # and the loop clock it shares with the upstream
         if self.peers is not None:
             await self.peers.close()
         if self.http is not None:
@@ -371,7 +387,7 @@ class Router(AdminEndpoints):
         if self.draining:
             raise _draining()
         gate = self._gate()
-        admitted = gate.enter(request.headers)
+        admitted = gate.enter(request.headers, _peer(request))
         try:
             return await self._pass(request, admitted)
         except OpenAIError as exc:
@@ -386,6 +402,12 @@ class Router(AdminEndpoints):
         model = obj.get("model")
         model = model if isinstance(model, str) and model != self.settings.model else None
         self._check_model(model)
+        # an embeddings input is prefilled by the worker: load while it runs there, as a
+        # generate request's is, so that the next one goes to another worker
+        tokens = 0
+        prefills = request.url.path == "/v1/embeddings"  # /tokenize, /detokenize: no engine
+        if prefills and self.prompt_keys is not None:
+            tokens = await self.prompt_keys.input_tokens(obj)
         pool = self._pool()
         now = time.monotonic()
         candidates = sorted(
@@ -403,6 +425,11 @@ class Router(AdminEndpoints):
         failures = []
         admitted.sent = bool(candidates)
         for state in candidates:
+            ticket = (
+                state.begin(tokens, state.prefill.predict(tokens), time.monotonic(), learn=False)
+                if prefills
+                else None
+            )
             try:
                 async with self.upstream.post(
                     state.url + request.url.path,
@@ -419,6 +446,9 @@ class Router(AdminEndpoints):
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning("%s on worker %s failed: %r", request.url.path, state.id, exc)
                 failures.append(type(exc).__name__)
+            finally:
+                if ticket is not None:
+                    state.end(ticket)
         raise OpenAIError(
             503 if not failures else 502,
             "no worker can take this request now"
@@ -439,7 +469,7 @@ class Router(AdminEndpoints):
         gate = self._gate()
         # Who sends it, and within its requests limit: before its body is read, and before
         # it holds anything of the router's (no slot while a slow client dribbles a body).
-        admitted = gate.enter(request.headers)
+        admitted = gate.enter(request.headers, _peer(request))
         if tracing.tracer() is not None:
             admitted.span = tracing.start_span(
                 "kvpool.router.request",
@@ -564,7 +594,7 @@ class Router(AdminEndpoints):
         if check_model:
             self._check_model(model)
         adapter = model if model is not None and model in self._pool().adapters() else None
-        num_tokens, keys, note = await self._tokens_and_keys(fields, adapter)
+        prompt = await self._tokens_and_keys(fields, adapter)
         strip_usage = False
         options = obj.get("stream_options") or {}
         if fields.stream and kind != "responses" and options.get("include_usage") in (None, False):
@@ -575,8 +605,13 @@ class Router(AdminEndpoints):
             obj["stream_options"] = options
             body = json.dumps(obj, separators=(",", ":")).encode()
             strip_usage = True
-        session = request.headers.get(self.settings.session_header) or fields.user
-        max_tokens = _max_tokens(obj, self.settings.default_max_tokens)
+        session = request.headers.get(self.settings.session_header) or (
+            fields.user if self.settings.session_from_user else None
+        )
+        # each prompt of a batch generates its own
+        max_tokens = _max_tokens(obj, self.settings.default_max_tokens) * max(
+            len(fields.prompts), 1
+        )
         forwarded = {k: v for k in self._forwarded if (v := request.headers.get(k)) is not None}
         pin = (
             self.responses.get(fields.previous_response_id) if fields.previous_response_id else None
@@ -587,21 +622,21 @@ class Router(AdminEndpoints):
             body=body,
             model=model,
             stream=fields.stream,
-            num_tokens=num_tokens,
-            keys=keys,
+            num_tokens=prompt.num_tokens,
+            keys=prompt.keys,
             splittable=kind == "chat" or (kind == "completion" and len(fields.prompts) == 1),
             strip_usage=strip_usage,
             session=session or None,
-            credit_note=note,
+            credit_note=prompt.note,
             kind=kind,
             headers=forwarded,
             pin=pin,
             max_tokens=max_tokens,
+            batch=prompt.batch,
+            reads_cache=fields.reads_cache,
         )
 
-    async def _tokens_and_keys(
-        self, fields: RoutingFields, adapter: str | None
-    ) -> tuple[int, list[int], str | None]:
+    async def _tokens_and_keys(self, fields: RoutingFields, adapter: str | None) -> PromptTokens:
         """See :meth:`PromptKeys.of`; the limit is the workers' context, unless the worker
         keeps the prompt's end (``truncate_prompt_tokens``)."""
         assert self.prompt_keys is not None
@@ -639,6 +674,11 @@ class Router(AdminEndpoints):
             starts_session=starts,
             spread_depth=depth,
             computed_blocks=self._computed(routed.keys, blocks, pool),
+            reads_cache=routed.reads_cache,
+            whole_prompt=routed.pin is None,
+            batch=routed.batch.credit(pool.feed.match, self.settings.block_size)
+            if routed.batch is not None
+            else None,
         )
 
     @staticmethod
@@ -767,6 +807,11 @@ async def _follow(discovery: Any, on_change: Any, failed: str) -> None:
         raise
     except Exception:
         log.exception(failed)
+
+
+def _peer(request: Request) -> str | None:
+    """The address the request's connection comes from (None over a Unix socket)."""
+    return request.client.host if request.client is not None else None
 
 
 def _draining() -> OpenAIError:

@@ -55,6 +55,7 @@ def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
             header_timeout_s=s.header_timeout_s,
             max_header_bytes=s.max_header_bytes,
             max_connections_per_client=s.max_connections_per_client,
+            trusted_proxies=tuple(s.trusted_proxies),
         ),
         drain_timeout_s=s.drain_timeout_s,
         log_level=log_level,

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from kvpool.httpguard import Network, parse_networks
 
 from .discovery import WorkerEndpoint, parse_static_worker
 from .policy import POLICIES, SCORERS, PolicyConfig, SplitConfig
@@ -49,12 +50,21 @@ class RouterSettings(BaseModel):
     guard_ratio: float = Field(1.5, ge=1.0)
     guard_slack: float = Field(4.0, ge=0.0)
     # session affinity: a soft score for the worker a conversation was last sent to,
-    # keyed by this header, else by the body's "user" field; weight 0 turns it off
+    # keyed by this header (a session is named, never guessed); weight 0 turns it off
     session_header: str = "x-session-id"
+    # also key sessions by the body's "user" field when the header is absent: only for
+    # clients whose user is one conversation (a backend that sends one user for all its
+    # traffic would pin all of it to one worker)
+    session_from_user: bool = False
     affinity_weight: float = Field(0.3, ge=0.0)
     session_ttl_s: float = Field(900.0, gt=0)
     session_capacity: int = Field(100_000, ge=1)
+    # a request's speculative index entries live while it waits for its first token, then
+    # this long for the worker's KV event to confirm them (router/index.py); and, as a
+    # safety net for a request whose end never comes, a key no request has held anew for
+    # speculative_hold_max_s is dropped (no request waits longer than its time limits)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    speculative_hold_max_s: float = Field(600.0, gt=0)
     # a request sharing at least this many prompt blocks with one still prefilling them on
     # its worker waits for that prefill before it is sent (kvpool policy; 0: never waits)
     prefix_wait_blocks: int = Field(4, ge=0)
@@ -90,11 +100,17 @@ class RouterSettings(BaseModel):
     first_token_timeout_s: float = Field(300.0, gt=0)
     stream_idle_timeout_s: float = Field(120.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
-    max_concurrency: int = Field(1024, ge=1)
+    # requests in flight; more wait in the router (flow control) or get 429. Unset: as many
+    # as this process's open files hold, two each (kvpool.httpguard.connections_bound)
+    max_concurrency: int | None = Field(None, ge=1)
     max_request_body_bytes: int = Field(4 * 2**20, ge=1024)
     # the token ids of recent prompts' beginnings, kept so that a prompt beginning like one
     # of them is tokenized only past that beginning: at most this much memory
     token_cache_mib: float = Field(64.0, gt=0)
+    # the prompt tokens one image, audio or video part of a message counts as in a worker's
+    # load (the router cannot run the model's processor); unset: from the model's config
+    # (a fixed-size vision encoder's count), else 576
+    media_part_tokens: int | None = Field(None, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     # tenants and keys: a YAML or JSON file of tenants (a mounted Secret, see tenants.py),
     # read again when it changes; without it no key is asked for
@@ -124,7 +140,16 @@ class RouterSettings(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0)
     body_timeout_s: float = Field(30.0, gt=0)
     max_header_bytes: int = Field(32 * 2**10, ge=1024)
+    # connections one address may hold idle or still sending its request (not those in
+    # service: behind an ingress every client is one address; kvpool/httpguard.py)
     max_connections_per_client: int = Field(256, ge=1)
+    # proxies in front (addresses or CIDR ranges): their connections are never counted, and
+    # a request through them comes from the client their forwarding header names
+    trusted_proxies: list[str] = Field(default_factory=list)
+    client_address_header: Literal["x-forwarded-for", "forwarded"] = "x-forwarded-for"
+    # requests in flight from one client address (behind trusted proxies, the client's),
+    # for an operator who wants it; unset: no limit (tenants and keys limit one client)
+    max_requests_per_client: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
@@ -133,6 +158,7 @@ class RouterSettings(BaseModel):
         if self.discovery == "static" and not self.worker:
             raise ValueError("worker: give at least one --worker URL, or --discovery kubernetes")
         self.static_workers()  # a bad or repeated spec is named here, at start-up
+        self.trusted_networks()
         if (self.peer or self.peer_selector) and not self.peer_bind:
             raise ValueError("peer, peer_selector: give --peer-bind too (where this one listens)")
         if self.peer_selector and self.discovery != "kubernetes":
@@ -143,6 +169,9 @@ class RouterSettings(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    def trusted_networks(self) -> tuple[Network, ...]:
+        return parse_networks(self.trusted_proxies)
 
     def static_workers(self) -> list[WorkerEndpoint]:
         endpoints = [parse_static_worker(spec) for spec in self.worker]

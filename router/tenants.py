@@ -472,12 +472,12 @@ class Admission:
 
 class RateLimitExceeded(OpenAIError):
     """429 with OpenAI's body, ``Retry-After`` and ``x-ratelimit-*`` headers. ``limit``
-    says which bucket refused (``requests`` or ``tokens``); ``retry_after_s`` when it
-    will have room."""
+    says which bucket refused (``requests`` or ``tokens``, or ``client``: the address's
+    requests in flight); ``retry_after_s`` when it will have room."""
 
     def __init__(
         self,
-        limit: Literal["requests", "tokens"],
+        limit: Literal["requests", "tokens", "client"],
         message: str,
         retry_after_s: float,
         headers: dict[str, str],

@@ -4,7 +4,9 @@ Whole requests, prefill legs and decode legs are tried the same way. Each try wa
 backoff (after the first), picks a worker the leg has not tried (or takes the decision
 the planner already made), counts the decision, claims the worker's cache for the
 prompt (speculatively, so the next request sees it), and gives the try to its caller.
-A try that fails takes its speculation back; when a later one succeeds, the workers that
+The claim lasts while the try waits for the worker: until its first token or its end
+(:meth:`Tries.reached`), when the worker's events take over. A try that fails takes back
+what it alone claimed; when a later one succeeds, the workers that
 failed in a way the request itself may have caused (a 5xx, no token) are charged to their
 breakers then, not before: a request that fails everywhere is more likely bad than every
 worker broken.
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .index import Hold
 from .metrics import RouterMetrics
 from .policy import Decision
 from .pool import WorkerPool, WorkerState
@@ -67,7 +70,9 @@ class Try:
     decision: Decision
     state: WorkerState
     rank: int | None  # the data-parallel rank holding the match, when the worker has ranks
-    speculated: list[int]  # the keys counted as held there from now (taken back on failure)
+    #: its chain counted as held there from now: released at its first token or end,
+    #: taken back on failure (None: the worker left the index meanwhile)
+    speculated: Hold | None
 
 
 class Tries:
@@ -142,11 +147,22 @@ class Tries:
     def failed(self, t: Try, exc: Failed, *, suspect: bool) -> None:
         """The try failed before any byte reached the client: its claim on the worker's
         cache is taken back. ``suspect``: perhaps the request's fault (see the module)."""
-        self.pool.feed.withdraw(t.state.id, t.speculated, t.rank)
+        self.pool.feed.withdraw(t.speculated)
         self.last = exc
         self.failures.append(str(exc))
         if suspect:
             self._suspects.append(t.state)
+
+    def reached(self, t: Try, *, computed: bool = True) -> None:
+        """The try is done waiting for the worker (its first token, its end, or the client
+        left): its claim on the worker's cache is the worker's events' to confirm now.
+        ``computed`` false: the worker answered, but refused the request (a 4xx), so it
+        computed nothing, and what the try alone claimed is taken back. Once: later calls,
+        and :meth:`failed` after it, change nothing."""
+        if computed:
+            self.pool.feed.release(t.speculated)
+        else:
+            self.pool.feed.withdraw(t.speculated)
 
     def succeeded(self) -> None:
         """A worker answered: what failed before it was those workers' fault."""

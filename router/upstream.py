@@ -53,6 +53,8 @@ __all__ = [
     "UpstreamResponse",
 ]
 
+from kvpool.stall import LoopClock
+
 log = logging.getLogger(__name__)
 
 #: bytes of a streamed body buffered before the socket stops being read
@@ -380,8 +382,12 @@ class Upstream:
         connect_timeout_s: float,
         keepalive_s: float = 4.0,
         headers: dict[str, str] | None = None,
+        clock: LoopClock | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        #: connects are timed by the router's responsive time: a burst that keeps the loop
+        #: busy for seconds must not fail connections the workers accepted meanwhile
+        self.clock = clock or LoopClock()
         self.keepalive_s = keepalive_s
         # checked and encoded once: a key with a line break is refused at start-up
         self._defaults = {k.lower(): _line(k, v) for k, v in (headers or {}).items()}
@@ -477,10 +483,12 @@ class Upstream:
                 self._ssl = ssl.create_default_context()
             tls = {"ssl": self._ssl, "server_hostname": address.host}
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(
+            _, conn = await self.clock.within(
+                loop.create_connection(
                     lambda: _Connection(self, address.key), address.host, address.port, **tls
-                )
+                ),
+                self.connect_timeout_s,
+            )
         except TimeoutError:
             raise ConnectTimedOut(
                 f"no connection to {address.host}:{address.port} "

@@ -381,14 +381,19 @@ class WorkerProcess:
     can kill like a crashed pod. ``log``: a file for its output, shown if it fails to start."""
 
     def __init__(
-        self, model: Path, engine: str = "sim", log: Path | None = None, **flags: Any
+        self,
+        model: Path,
+        engine: str = "sim",
+        log: Path | None = None,
+        port: int | None = None,
+        **flags: Any,
     ) -> None:
         import os
         import subprocess
         import sys
 
         self.log = log
-        self.port = unique_port()
+        self.port = port or unique_port()  # a port given: a restart in the same place
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{unique_port()}"
         self.replay = f"tcp://127.0.0.1:{unique_port()}"

@@ -129,7 +129,9 @@ class RecordingWorker:
         self.delay_headers = 0.0
         self.error_code = 500  # the code of the "error_event" mode's error (4xx: the client's)
         self.health_status = 200
+        self.health_delay = 0.0  # seconds before /health answers (a busy or hung worker)
         self.gate = threading.Event()
+        self._gate_poll: asyncio.Future[None] | None = None
         self.block_size = 16
         #: replaces the word count: called with (path, body), returns the prompt's tokens
         self.count_prompt_tokens: Callable[[str, dict[str, Any]], int] | None = None
@@ -267,6 +269,8 @@ class RecordingWorker:
 
     async def _health(self, request: Request) -> Response:
         await self._record(request)
+        if self.health_delay:
+            await asyncio.sleep(self.health_delay)
         return Response(status_code=self.health_status)
 
     async def _list_models(self, request: Request) -> Response:
@@ -444,6 +448,15 @@ class RecordingWorker:
         return max(0, best // self.block_size * self.block_size)
 
     async def _wait_gate(self) -> None:
+        # One poll of the gate (set from another thread) however many requests wait on it:
+        # thousands of waiters each polling would starve the server's loop.
+        if self.gate.is_set():
+            return
+        if self._gate_poll is None or self._gate_poll.done():
+            self._gate_poll = asyncio.ensure_future(self._poll_gate())
+        await asyncio.shield(self._gate_poll)
+
+    async def _poll_gate(self) -> None:
         while not self.gate.is_set():  # noqa: ASYNC110  (the gate is set from another thread)
             await asyncio.sleep(0.01)
 

@@ -1070,3 +1070,12 @@ def test_a_minimal_pool_is_locked_down_but_asks_for_no_key() -> None:
     assert validate_pool("t", spec_with(router={"auth": {"secretName": "k"}})).router.auth.key == (
         "tenants.yaml"
     )
+
+
+def test_check_refuses_a_trusted_proxy_that_is_no_address(tmp_path: Path, capsys: Any) -> None:
+    # No OpenAPI schema can say "a CIDR range": the operator's check (and kvpool check) does.
+    bad = POOL_YAML + "  router:\n    clientLimits:\n      trustedProxies: [10.0.0.0/8, ingress]\n"
+    code, _, err = check(tmp_path, bad, capsys)
+    assert code == 1
+    assert "spec.router.clientLimits.trustedProxies" in err
+    assert "'ingress' is not an IP address or a CIDR range" in err

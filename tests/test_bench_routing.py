@@ -185,6 +185,7 @@ def test_a_tiny_run_writes_results_in_the_issues_nesting(tmp_path: Path) -> None
         keys = {"hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "throughput", "imbalance"}
         assert keys <= set(r)
         assert r["errors"] == 0 and r["completed"] == r["requests"] == 6
+        assert r["refused"] == 0
         assert 0 < r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"]
     assert "meta" in results
     assert (tmp_path / "routing.md").read_text().startswith("# Routing quality")
@@ -287,6 +288,28 @@ def test_the_affinity_run_compares_affinity_on_and_off_beside_the_sglang_router(
         routing.plan(parser.parse_args(["--affinity", "--policies", "kvpool"]), parser)
 
 
+def test_the_ingress_run_starts_kvpool_with_its_defaults_beside_the_sglang_router(
+    routing: ModuleType, tmp_path: Path
+) -> None:
+    parser = routing.build_parser()
+    plan = routing.plan(parser.parse_args(["--ingress"]), parser)
+    assert plan.name == "ingress"
+    assert plan.workloads == list(routing.WORKLOADS)
+    assert plan.policies == ["kvpool", "sglang-router"]
+    for argv in (
+        ["--ingress", "--router-args", "--policy round-robin"],
+        ["--ingress", "--affinity"],
+    ):
+        with pytest.raises(SystemExit):
+            routing.plan(parser.parse_args(argv), parser)
+    # kvpool's router as a user starts it: no flag but what says where things are
+    fleet = routing.Fleet(["http://127.0.0.1:1", "http://127.0.0.1:2"], [])
+    argv = routing.kvpool_router_argv("kvpool", tmp_path, 8080, fleet.workers, [])
+    flags = [a for a in argv if a.startswith("--")]
+    assert sorted(set(flags)) == ["--model", "--policy", "--port", "--worker"]
+    assert argv[argv.index("--policy") + 1] == "kvpool"  # the default policy, named
+
+
 def test_kvpool_no_affinity_is_the_default_policy_with_affinity_weight_zero(
     routing: ModuleType, tmp_path: Path
 ) -> None:
@@ -298,8 +321,7 @@ def test_kvpool_no_affinity_is_the_default_policy_with_affinity_weight_zero(
 
     assert flags("kvpool", []) == [
         *("--model", str(tmp_path), "--port", "9"),
-        *("--max-connections-per-client", "1000000"),  # one load generator for every user
-        *("--policy", "kvpool", "--worker", "http://w"),
+        *("--policy", "kvpool", "--worker", "http://w"),  # nothing else: kvpool's defaults
     ]
     off = flags("kvpool-no-affinity", ["--affinity-weight", "0.5"])
     assert off[off.index("--policy") :] == [

@@ -526,6 +526,9 @@ def test_flow_control_and_client_limits_reach_the_router_as_its_settings(
             "bodyTimeoutSeconds": 12.5,
             "maxHeaderBytes": 16384,
             "maxConnectionsPerClient": 32,
+            "trustedProxies": ["10.0.0.0/8", "fd00::/8"],
+            "clientAddressHeader": "forwarded",
+            "maxRequestsPerClient": 100,
         },
         "auth": {"secretName": "keys"},
     }
@@ -552,6 +555,9 @@ def test_flow_control_and_client_limits_reach_the_router_as_its_settings(
     assert settings.body_timeout_s == 12.5
     assert settings.max_header_bytes == 16384
     assert settings.max_connections_per_client == 32
+    assert settings.trusted_proxies == ["10.0.0.0/8", "fd00::/8"]
+    assert settings.client_address_header == "forwarded"
+    assert settings.max_requests_per_client == 100
     assert settings.api_keys_file == f"{TENANTS_MOUNT}/tenants.yaml"
     assert settings.pool_secret is not None
     assert settings.pool_secret.get_secret_value() == "k" * 64

@@ -180,6 +180,17 @@ def test_pod_that_must_not_get_requests_is_no_endpoint(pod: dict[str, Any]) -> N
     assert endpoint_from_pod(pod, port=8000) is None
 
 
+def test_a_pod_that_was_ready_stays_an_endpoint_while_its_readiness_probe_fails() -> None:
+    # A busy worker fails its readiness probe as it fails the router's health check: out of
+    # rotation (the router's own check decides), not out of the pool, which would drop its
+    # index entries and abort its streams. One that was never Ready is no endpoint.
+    busy = make_pod("w-0", ready=False)
+    assert endpoint_from_pod(busy, port=8000, was_ready=True) == endpoint_from_pod(
+        make_pod("w-0"), port=8000
+    )
+    assert endpoint_from_pod(make_pod("w-0", deleting=True), port=8000, was_ready=True) is None
+
+
 def test_role_comes_from_the_role_label() -> None:
     pod = make_pod("w-0", labels={"kvpool.io/role": "decode"})
     assert endpoint_from_pod(pod, port=8000).role == "decode"  # type: ignore[union-attr]
@@ -337,6 +348,15 @@ async def test_discovery_follows_ready_labelled_pods_in_its_namespace(
         await patch(kube, "b/status", ready)
         await eventually(lambda: ids(seen) == ["a", "b"], "b once it is Ready")
 
+        # Ready once, b stays while its readiness probe fails (busy): the router's health
+        # check takes it out of rotation, and it keeps its index entries and its streams.
+        not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+        await patch(kube, "b/status", not_ready)
+        await create(kube, make_pod("c", ip="10.0.0.3"))  # seen after b's change, in order
+        await eventually(lambda: ids(seen) == ["a", "b", "c"], "c, with b still there")
+        (await kube.delete(f"/api/v1/namespaces/{NS}/pods/c")).raise_for_status()
+        await eventually(lambda: ids(seen) == ["a", "b"], "c gone")
+
         # With a finalizer, DELETE only marks the pod terminating; it is still Ready.
         (await kube.delete(f"/api/v1/namespaces/{NS}/pods/a")).raise_for_status()
         await eventually(lambda: ids(seen) == ["b"], "a gone once it is terminating")
@@ -345,7 +365,8 @@ async def test_discovery_follows_ready_labelled_pods_in_its_namespace(
         (await kube.delete(f"/api/v1/namespaces/{NS}/pods/b")).raise_for_status()
         await eventually(lambda: ids(seen) == [], "b gone once deleted")
 
-    assert [[e.id for e in report] for report in seen] == [[], ["a"], ["a", "b"], ["b"], []]
+    reports = [[e.id for e in report] for report in seen]
+    assert reports == [[], ["a"], ["a", "b"], ["a", "b", "c"], ["a", "b"], ["b"], []]
     watches = [r for r in kmock if r.params.get("watch") == "true"]
     assert watches and all(r.params.get("labelSelector") == SELECTOR for r in watches)
 

@@ -222,7 +222,7 @@ def test_routing_tokens_are_what_the_chat_template_renders(
     hasher = BlockHasher()  # the router's default block size and seed
     prompt_keys = PromptKeys(tokenizer, PrefixTokenCache(tokenizer), hasher)
 
-    num_tokens, keys, note = asyncio.run(prompt_keys.of(read_fields(body, "chat"), None, None))
+    prompt = asyncio.run(prompt_keys.of(read_fields(body, "chat"), None, None))
 
     # vLLM renders the template to text, then encodes it without special tokens
     text = tokenizer.apply_chat_template(
@@ -236,9 +236,9 @@ def test_routing_tokens_are_what_the_chat_template_renders(
     expected = tokenizer.encode(text, add_special_tokens=False)
     if body.get("truncate_prompt_tokens"):  # vLLM keeps the last tokens
         expected = expected[-body["truncate_prompt_tokens"] :]
-    assert note is None
-    assert num_tokens == len(expected)
-    assert keys == hasher.prompt_keys(expected, cache_salt=body.get("cache_salt"))
+    assert prompt.note is None
+    assert prompt.num_tokens == len(expected)
+    assert prompt.keys == hasher.prompt_keys(expected, cache_salt=body.get("cache_salt"))
 
 
 def test_an_image_gives_cache_credit_only_for_the_text_before_it(
@@ -653,9 +653,6 @@ def test_a_session_stays_on_its_worker_and_the_decision_says_why(
             )
             served.add(resp.headers["x-kvpool-worker"])
         assert len(served) == 1, session
-        # the body's user field is a session key too
-        route = router.route({"prompt": "something else entirely", "user": session})
-        assert route["session"] == session
     explained = httpx.post(
         router.url + "/debug/route",
         json={"prompt": "one more thing"},

@@ -96,7 +96,12 @@ def test_one_system_prompt_for_every_request_ends_up_on_every_worker(start_route
         spread = router.route({"prompt": system + "?"})["spread"]
         assert spread["wanted_holders"] >= 1 and spread["depth_blocks"] == 32
         assert spread["sized_by"].startswith("requests waiting for a first token")
-        spread = router.route({"prompt": system + "?", "user": "someone new"})["spread"]
+        spread = httpx.post(
+            router.url + "/debug/route",
+            json={"prompt": system + "?"},
+            headers={"x-session-id": "someone new"},
+            timeout=10,
+        ).json()["spread"]
         assert spread["sized_by"].startswith("requests in flight")  # a session's first
         decisions = httpx.get(router.url + "/metrics", timeout=10).text
         assert 'reason="spread"' in decisions

@@ -217,7 +217,7 @@ def test_a_worker_killed_under_load_loses_no_request(worker_processes, start_rou
                 await asyncio.sleep(0.03)
             out = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
             down = router.workers()[f"127.0.0.1:{victim.port}"]
-            assert down["status"] == "down" and down["indexed_blocks"] == 0
+            assert down["status"] == "down"
             assert time.monotonic() - killed_at < 60
             return out
 

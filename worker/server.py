@@ -152,6 +152,7 @@ class WorkerServer(HandOffEndpoints, Responses):
         self.in_flight = 0
         self.queued_tokens = 0  # prompt tokens submitted and not yet prefilled
         self.engine_id = uuid.uuid4().hex[:16]
+        self.boot_id = uuid.uuid4().hex  # this process's: a router sees a restart by it
         self.created = int(time.time())
         self._idle = asyncio.Event()
         self._load_task: asyncio.Task[None] | None = None
@@ -395,6 +396,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             kv_transfer_engine_id=self.engine_id,
             version=__version__,
             max_num_seqs=engine.scheduler.config.max_num_seqs,
+            boot_id=self.boot_id,
         )
         return JSONResponse(info.model_dump())
 

@@ -22,9 +22,12 @@ from pydantic import (
     PlainValidator,
     ValidationInfo,
     WithJsonSchema,
+    field_validator,
 )
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
+
+from kvpool.httpguard import parse_networks
 
 from .podtemplate import MAX_DEPTH, describe, template_problems, too_deep
 from .rules import Rule, RuledModel
@@ -457,6 +460,9 @@ CLIENT_LIMIT_SETTINGS = {
     "body_timeout_seconds": "body_timeout_s",
     "max_header_bytes": "max_header_bytes",
     "max_connections_per_client": "max_connections_per_client",
+    "trusted_proxies": "trusted_proxies",
+    "client_address_header": "client_address_header",
+    "max_requests_per_client": "max_requests_per_client",
 }
 # Router settings that router.settings (a ConfigMap) may not name: the Secrets' (never in
 # a ConfigMap) and those the typed fields set, so that one value has one place.
@@ -492,14 +498,35 @@ class FlowControlSpec(Spec):
 
 class ClientLimitsSpec(Spec):
     """What one client may hold of the router: time to send its headers and its body, the
-    size of its headers, connections at once (per client address: behind a proxy or a
-    load balancer that does not keep the client's address, that is the proxy's). Unset
-    fields keep the router's defaults."""
+    size of its headers, connections idle or still sending a request (per connecting
+    address; requests in service never count, so clients behind one ingress are not
+    refused), and, when set, requests in flight per client address (behind trustedProxies,
+    the address their forwarding header names). Unset fields keep the router's defaults."""
 
     header_timeout_seconds: float | None = Field(None, gt=0)
     body_timeout_seconds: float | None = Field(None, gt=0)
     max_header_bytes: int | None = Field(None, ge=1024)
     max_connections_per_client: int | None = Field(None, ge=1)
+    trusted_proxies: list[Annotated[str, Field(max_length=64)]] | None = Field(
+        None,
+        max_length=64,
+        description="addresses or CIDR ranges of the proxies in front (an ingress, a Gateway,"
+        " a mesh): their connections are never counted, and a request through them comes"
+        " from the client their forwarding header names",
+    )
+    client_address_header: Literal["x-forwarded-for", "forwarded"] | None = Field(
+        None, description="the header trusted proxies name the client in (default X-Forwarded-For)"
+    )
+    max_requests_per_client: int | None = Field(
+        None, ge=1, description="requests in flight per client address (default: no limit)"
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            parse_networks(value, "trustedProxies")
+        return value
 
 
 class RouterSpec(RuledSpec):
