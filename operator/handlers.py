@@ -186,6 +186,7 @@ def active() -> bool:
         with _pools_lock:
             for rt in _pools.values():
                 rt.scaler = None
+                rt.autoscaler_status = None  # from before the other replica's rounds
     return _active
 
 
@@ -419,7 +420,7 @@ def _sync_once(
         error=error,
         apply_error=apply_error,
         owner_error=owner_error,
-        autoscaler=rt.autoscaler_status if spec is not None else previous.get("autoscaler"),
+        autoscaler=_autoscaler_status(spec, rt, previous),
         slo=rt.slo,
         autoscaling=rt.autoscaling,
         cache=rt.cache,
@@ -430,6 +431,18 @@ def _sync_once(
         c.patch_status(namespace, name, patch)
     _record_for_metrics(rt, spec, deployments, status)
     return "invalid" if error else "error" if (apply_error or owner_error) else "ok"
+
+
+def _autoscaler_status(
+    spec: InferencePoolSpec | None, rt: PoolRuntime, previous: dict[str, Any]
+) -> dict[str, Any] | None:
+    """``status.autoscaler`` as this sync writes it: the autoscaler's own once it has run
+    here; until then (a restart or a take-over, whose first sync comes before the loop's
+    first round) the predecessor's, as it stands. That round restores the windows from it:
+    dropped, they would start again, and a change would wait for a whole new window."""
+    if spec is None or (spec.autoscaling.enabled and rt.autoscaler_status is None):
+        return previous.get("autoscaler")
+    return rt.autoscaler_status
 
 
 def _generated(child: dict[str, Any]) -> str | None:
