@@ -12,7 +12,8 @@ uvicorn bounds none of these, and each was an attack on the router (issue 20):
 :func:`guarded_protocol` makes a subclass of uvicorn's httptools protocol that enforces, per
 connection, the limits in :class:`HttpLimits`:
 
-* ``header_timeout_s``: a request's line and headers must all arrive within it, counted from
+* ``header_timeout_s``: a request's line and headers must all arrive within it (of the
+  server's responsive time: a stall of its own loop is not the client's), counted from
   the connection's start, or from the first byte of the next request on a kept-alive
   connection (an idle kept-alive connection stays governed by uvicorn's
   ``timeout_keep_alive``). Late: 408 and close (a connection that never sent a byte is
@@ -23,7 +24,7 @@ connection, the limits in :class:`HttpLimits`:
   about 15 ms);
 * ``max_connections_per_client``: how many connections one client address may hold *idle or
   unfinished*: kept alive between requests, or with a request still arriving (its line,
-  headers or body) after a grace (:data:`GRACE_S` of the server's responsive time). A
+  headers or body) for half the header timeout (:data:`GRACE_SHARE`). A
   connection whose request is in service counts for nothing: behind an ingress, a
   Gateway, a load balancer or a mesh sidecar every client is one address, and 4,000
   streams in flight through it are 4,000 connections doing what they should. What an
@@ -75,7 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BODY_AFTER_RESPONSE_TIMEOUT",
-    "GRACE_S",
+    "GRACE_SHARE",
     "HEADER_TIMEOUT",
     "HEADER_TOO_LARGE",
     "IDLE_CLOSED",
@@ -102,10 +103,12 @@ _END = b"\r\n\r\n"  # the blank line that ends a request's headers (llhttp wants
 #: so that the client reads the answer instead of a reset from unread bytes.
 _LINGER_S = 1.0
 #: How long a request may take to arrive (line, headers, body) before its connection counts
-#: against its client's ``max_connections_per_client`` (at most half the header timeout), in
-#: the server's responsive time (:class:`kvpool.stall.LoopClock`): a burst of thousands of
-#: connections that keeps the event loop busy does not make their first bytes late.
-GRACE_S = 1.0
+#: against its client's ``max_connections_per_client``, as a share of the header timeout,
+#: in the server's responsive time (:class:`kvpool.stall.LoopClock`: a burst of thousands of
+#: connections that keeps the event loop busy does not make their first bytes late). Half:
+#: a busy client (a load generator on a loaded machine, a proxy at a burst) may send its
+#: request line seconds after it connected, and is no attacker for it.
+GRACE_SHARE = 0.5
 
 # Reasons counted in a guarded protocol class's ``refusals``.
 HEADER_TIMEOUT = "header_timeout"
@@ -350,7 +353,7 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
     trusted = parse_networks(limits.trusted_proxies)
     refusals: Counter[str] = Counter()
     linger_s = min(_LINGER_S, limits.header_timeout_s)
-    grace_s = min(GRACE_S, limits.header_timeout_s / 2)
+    grace_s = limits.header_timeout_s * GRACE_SHARE
     clock = LoopClock()  # the grace is the loop's responsive time: a stall is not lateness
     late = _response(
         "408 Request Timeout",
@@ -384,9 +387,9 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            clock.start()
             if self.client and not _trusted(self.client[0], trusted):
                 self._key = client_key(self.client[0])
-                clock.start()
             # uvicorn arms no timer on a new connection: the header time limit bounds it.
             self._begin_head(0, b"")
 
@@ -475,9 +478,9 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
             self._phase = _HEAD
             self._header_bytes = counted
             self._tail = tail
+            self._began = clock.now()
             self._start_timer(self._headers_late)
             if self._key is not None:
-                self._began = clock.now()
                 self._grace = self.loop.call_later(grace_s, self._request_late)
 
         # -- the count of what a client holds ---------------------------------------------
@@ -540,6 +543,10 @@ def guarded_protocol(limits: HttpLimits) -> type[asyncio.Protocol]:
         def _headers_late(self) -> None:
             self._timer = None
             if self._phase != _HEAD or self.transport.is_closing():
+                return
+            left = limits.header_timeout_s - (clock.now() - self._began)
+            if left > 0:  # the loop stalled meanwhile: the client is not late yet
+                self._timer = self.loop.call_later(left, self._headers_late)
                 return
             if self._quiet:  # no request was made: nothing to answer
                 refusals[HEADER_TIMEOUT] += 1

@@ -5,7 +5,7 @@ For each worker the pool keeps what the policy needs at decision time (a
 
 * **health**: ``GET /health`` every ``health_interval_s``. A refused connection, or no
   answer within ``health_timeout_s`` of the router's responsive time (a stall of the
-  router's own loop is not the worker's slowness: :mod:`.stall`), takes the worker out of
+  router's own loop is not the worker's slowness: :mod:`kvpool.stall`), takes the worker out of
   rotation; so does a 503 (loading or draining). Health is not cache loss: its index
   entries and its KV event stream stay, until there is evidence that its cache is gone
   (its events say ``AllBlocksCleared`` or show a restart, it registers with another boot

@@ -151,7 +151,7 @@ class Router(AdminEndpoints):
             skip_auto_headers=("User-Agent",),
             headers=auth,
         )
-        # health checks and connects are timed by the loop's responsive time (stall.py)
+        # health checks and connects are timed by the loop's responsive time (kvpool/stall.py)
         self.clock = LoopClock()
         self.clock.start()
         self.http = Upstream(s.connect_timeout_s, headers=auth, clock=self.clock)
