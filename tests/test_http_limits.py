@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvpool.httpguard import TOO_MANY_CONNECTIONS
+
 from conftest import RunningRouter
 from recording_worker import RecordingWorker
 
@@ -136,9 +138,12 @@ def test_one_address_cannot_take_every_connection(
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
     extra = socket.create_connection(("127.0.0.1", port))
     extra.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # and the rest never comes
-    extra.settimeout(30)
-    assert extra.recv(4096).startswith(b"HTTP/1.1 429")
-    extra.close()
+    held.append(extra)
+    # Six late connections, five places: one of them is cut (which one depends on when each
+    # one's grace ends, which a stall of the loop may reorder).
+    protocol = router.server.config.http
+    router.wait_for(lambda: protocol.refusals[TOO_MANY_CONNECTIONS] == 1, 60)
+    assert protocol.clients.open == {"127.0.0.1": 5}
     # Another address (all of 127/8 is loopback) is served while the first holds its five.
     transport = httpx.HTTPTransport(local_address="127.0.0.2")
     with httpx.Client(transport=transport, timeout=5) as client:
