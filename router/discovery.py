@@ -139,6 +139,14 @@ def _host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip  # IPv6 pod IPs need brackets in URLs
 
 
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's Ready condition is True."""
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
 def endpoint_from_pod(
     pod: Mapping[str, Any],
     *,
@@ -162,10 +170,7 @@ def endpoint_from_pod(
     status = pod.get("status") or {}
     name = meta.get("name", "?")
     ip = status.get("podIP")
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
+    ready = pod_ready(pod)
     if status.get("phase") != "Running" or not ip or meta.get("deletionTimestamp"):
         return None
     if not (ready or was_ready):
@@ -285,11 +290,7 @@ class KubernetesDiscovery:
         if not label_selector_matches(self.label_selector, labels):
             return None
         uid = meta.get("uid") or meta.get("name", "")
-        status = pod.get("status") or {}
-        if any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or []
-        ):
+        if pod_ready(pod):
             self._was_ready.add(uid)
         return endpoint_from_pod(
             pod,
