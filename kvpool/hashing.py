@@ -6,6 +6,11 @@ the configured hash seed. Equal digests therefore mean equal prefixes. This is t
 vLLM calls ``sha256_cbor`` (with ``PYTHONHASHSEED`` as the seed), so the router can index
 vLLM workers and ours with the same code.
 
+Extra keys (a LoRA adapter, a cache salt) are hashed as vLLM 0.32 hashes them, each tagged
+with what it is: ``("lora", name, path)`` on every block, ``("cache_salt", salt)`` on the
+first. vLLM's KV events still publish the bare values. Older vLLMs hashed the bare values
+too (``EXTRA_KEYS_BARE``), where a salt and an adapter of the same name collided.
+
 Two ways in, which must agree exactly:
 
 * :meth:`BlockHasher.hash_prompt` hashes a whole prompt at once (the router, per request);
@@ -26,6 +31,9 @@ import cbor2
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_HASH_SEED",
+    "EXTRA_KEYS_BARE",
+    "EXTRA_KEYS_SCHEMES",
+    "EXTRA_KEYS_TAGGED",
     "HASH_ALGORITHM",
     "BlockHashChain",
     "BlockHasher",
@@ -38,9 +46,14 @@ __all__ = [
 
 HASH_ALGORITHM = "sha256_cbor"
 DEFAULT_BLOCK_SIZE = 16
-# vLLM draws a random seed per process unless PYTHONHASHSEED is set; a pool needs one fixed
-# seed shared by the router and every worker, so ours defaults to vLLM's "0".
+# vLLM 0.32 seeds its sha256 chains with PYTHONHASHSEED, or without it the fixed string
+# "vllm-none-hash" (older vLLMs drew a random seed per process). The router and every worker
+# must share one; ours is "0", which the operator gives vLLM pods as PYTHONHASHSEED.
 DEFAULT_HASH_SEED = "0"
+#: how extra keys enter a block's hash: tagged with their kind (vLLM 0.32), or bare (older)
+EXTRA_KEYS_TAGGED = "tagged"
+EXTRA_KEYS_BARE = "bare"
+EXTRA_KEYS_SCHEMES = (EXTRA_KEYS_TAGGED, EXTRA_KEYS_BARE)
 
 
 def _sha256_cbor(obj: Any) -> bytes:
@@ -85,16 +98,24 @@ def block_key(digest: bytes) -> int:
 
 
 def block_extra_keys(
-    block_index: int, lora_name: str | None = None, cache_salt: str | None = None
+    block_index: int,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    *,
+    lora_path: str | None = None,
+    scheme: str = EXTRA_KEYS_TAGGED,
 ) -> tuple[Any, ...] | None:
-    """Extra keys mixed into block ``block_index``: the LoRA adapter's name on every block,
-    the cache salt on the first block only (it then changes every later digest through the
-    chain). ``None`` when there are none, as vLLM hashes it."""
+    """Extra keys mixed into block ``block_index``: the LoRA adapter on every block, the
+    cache salt on the first block only (it then changes every later digest through the
+    chain). Tagged, ``("lora", name, path)`` and ``("cache_salt", salt)``, as vLLM 0.32
+    hashes them; ``scheme="bare"``: the name and the salt alone, as older vLLMs did.
+    ``None`` when there are none, as vLLM hashes it."""
     keys: list[Any] = []
+    tagged = scheme == EXTRA_KEYS_TAGGED
     if lora_name:
-        keys.append(lora_name)
+        keys.append(("lora", lora_name, lora_path) if tagged else lora_name)
     if cache_salt and block_index == 0:
-        keys.append(cache_salt)
+        keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
     return tuple(keys) if keys else None
 
 
@@ -109,8 +130,14 @@ class BlockHasher:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     hash_seed: str = DEFAULT_HASH_SEED
+    extra_keys: str = EXTRA_KEYS_TAGGED
 
     def __post_init__(self) -> None:
+        if self.extra_keys not in EXTRA_KEYS_SCHEMES:
+            raise ValueError(
+                f"extra_keys must be one of {', '.join(EXTRA_KEYS_SCHEMES)}, "
+                f"got {self.extra_keys!r}"
+            )
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
             raise ValueError(f"block_size must be an integer, got {self.block_size!r}")
         if self.block_size < 1:
@@ -142,8 +169,11 @@ class BlockHasher:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        lora_path: str | None = None,
     ) -> list[bytes]:
-        """Digests of every full block of ``token_ids``; a partial tail block is not hashed."""
+        """Digests of every full block of ``token_ids``; a partial tail block is not hashed.
+        ``lora_path``: where the worker loaded the adapter from (vLLM's ``/v1/models`` card
+        gives it as ``root``), part of a tagged LoRA key."""
         size = self.block_size
         # a list is sliced as it is: copying a long prompt's ids first cost as much again
         tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
@@ -151,7 +181,9 @@ class BlockHasher:
         parent = self.root
         recent = _recent_blocks(size)
         for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
-            extra = block_extra_keys(index, lora_name, cache_salt)
+            extra = block_extra_keys(
+                index, lora_name, cache_salt, lora_path=lora_path, scheme=self.extra_keys
+            )
             parent = recent(parent, tuple(tokens[start : start + size]), extra)
             digests.append(parent)
         return digests
@@ -162,16 +194,23 @@ class BlockHasher:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        lora_path: str | None = None,
     ) -> list[int]:
         """64-bit keys of every full block of ``token_ids`` (the form KV events carry)."""
-        digests = self.hash_prompt(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        digests = self.hash_prompt(
+            token_ids, lora_name=lora_name, cache_salt=cache_salt, lora_path=lora_path
+        )
         return [block_key(d) for d in digests]
 
     def chain(
-        self, *, lora_name: str | None = None, cache_salt: str | None = None
+        self,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        lora_path: str | None = None,
     ) -> BlockHashChain:
         """A chain for one sequence whose tokens arrive in pieces."""
-        return BlockHashChain(self, lora_name=lora_name, cache_salt=cache_salt)
+        return BlockHashChain(self, lora_name=lora_name, cache_salt=cache_salt, lora_path=lora_path)
 
 
 @dataclass
@@ -185,6 +224,7 @@ class BlockHashChain:
     hasher: BlockHasher
     lora_name: str | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None
     digests: list[bytes] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
 
@@ -204,7 +244,13 @@ class BlockHashChain:
         start = 0
         while len(pending) - start >= size:
             parent = self.digests[-1] if self.digests else self.hasher.root
-            extra = block_extra_keys(len(self.digests), self.lora_name, self.cache_salt)
+            extra = block_extra_keys(
+                len(self.digests),
+                self.lora_name,
+                self.cache_salt,
+                lora_path=self.lora_path,
+                scheme=self.hasher.extra_keys,
+            )
             digest = hash_block(parent, pending[start : start + size], extra)
             self.digests.append(digest)
             completed.append(digest)

@@ -430,15 +430,18 @@ class WorkerPool:
                     cards.setdefault(card["id"], card)
         return [dict(cards[k]) for k in sorted(cards)]
 
-    def adapters(self) -> set[str]:
-        """LoRA adapters the up workers serve: vLLM lists one with its base as ``parent``."""
-        return {
-            c["id"]
-            for s in self.workers.values()
-            if s.status == "up"
-            for c in s.cards
-            if c.get("parent") is not None and c["parent"] != c["id"]
-        }
+    def adapters(self) -> dict[str, str | None]:
+        """LoRA adapters the up workers serve, each with the path it was loaded from: vLLM
+        lists one with its base as ``parent`` and the path as ``root``, and hashes its
+        blocks with both (a worker that names another path is taken at the first seen)."""
+        out: dict[str, str | None] = {}
+        for s in self.workers.values():
+            if s.status == "up":
+                for c in s.cards:
+                    if c.get("parent") is not None and c["parent"] != c["id"]:
+                        root = c.get("root")
+                        out.setdefault(c["id"], root if isinstance(root, str) else None)
+        return out
 
     def routable(self) -> list[WorkerState]:
         return [s for s in self.workers.values() if s.routable]

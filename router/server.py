@@ -85,7 +85,9 @@ class Router(AdminEndpoints):
     def __init__(self, settings: RouterSettings, slot: ProcessSlot | None = None) -> None:
         self.settings = s = settings
         self.slot = slot or ProcessSlot()  # its place among the processes on its port
-        self.hasher = BlockHasher(block_size=s.block_size, hash_seed=s.hash_seed)
+        self.hasher = BlockHasher(
+            block_size=s.block_size, hash_seed=s.hash_seed, extra_keys=s.extra_keys
+        )
         self.planner = Planner(s.policy_config(), s.split_config())
         self.policy = self.planner.aggregated
         self.index = BlockIndex(
@@ -593,8 +595,9 @@ class Router(AdminEndpoints):
         model = fields.model if fields.model != self.settings.model else None
         if check_model:
             self._check_model(model)
-        adapter = model if model is not None and model in self._pool().adapters() else None
-        prompt = await self._tokens_and_keys(fields, adapter)
+        adapters = self._pool().adapters()
+        adapter = model if model is not None and model in adapters else None
+        prompt = await self._tokens_and_keys(fields, adapter, adapters.get(adapter))
         strip_usage = False
         options = obj.get("stream_options") or {}
         if fields.stream and kind != "responses" and options.get("include_usage") in (None, False):
@@ -636,7 +639,9 @@ class Router(AdminEndpoints):
             reads_cache=fields.reads_cache,
         )
 
-    async def _tokens_and_keys(self, fields: RoutingFields, adapter: str | None) -> PromptTokens:
+    async def _tokens_and_keys(
+        self, fields: RoutingFields, adapter: str | None, adapter_path: str | None = None
+    ) -> PromptTokens:
         """See :meth:`PromptKeys.of`; the limit is the workers' context, unless the worker
         keeps the prompt's end (``truncate_prompt_tokens``)."""
         assert self.prompt_keys is not None
@@ -644,7 +649,7 @@ class Router(AdminEndpoints):
         limit = None
         if self.pool is not None and (truncate is None or truncate <= 0):
             limit = self.pool.context_tokens()
-        return await self.prompt_keys.of(fields, adapter, limit)
+        return await self.prompt_keys.of(fields, adapter, limit, adapter_path)
 
     def _route_request(self, routed: Routed, *, observe: bool = True) -> RouteRequest:
         """The policy's input. ``observe``: the request is being routed (not a dry run): its

@@ -44,6 +44,10 @@ class RouterSettings(BaseModel):
     # hashing: must be the workers'
     block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1)
     hash_seed: str = DEFAULT_HASH_SEED
+    # how a LoRA adapter and a cache salt enter block hashes: tagged, as vLLM 0.32 and
+    # kvpool's workers hash them, or bare, as older vLLMs did (the router says which one a
+    # worker's KV events show, when they contradict this)
+    extra_keys: Literal["tagged", "bare"] = "tagged"
     # policy
     policy: Literal["kvpool", "round-robin", "random", "least-loaded", "prefix-only"] = "kvpool"
     scorer: list[str] = Field(default_factory=list)  # name=weight, replaces the policy's

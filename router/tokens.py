@@ -136,7 +136,11 @@ class PromptKeys:
         self.media_tokens = media_tokens
 
     async def of(
-        self, fields: RoutingFields, adapter: str | None, limit: int | None
+        self,
+        fields: RoutingFields,
+        adapter: str | None,
+        limit: int | None,
+        adapter_path: str | None = None,
     ) -> PromptTokens:
         """The prompt's token count, its block keys and why they cover less than all of
         it. A chat (its template rendered) and a long prompt are done in a thread: hashing
@@ -166,7 +170,9 @@ class PromptKeys:
             return tokens
 
         def keys_of(tokens: list[int]) -> list[int]:
-            return self.hasher.prompt_keys(tokens, lora_name=adapter, cache_salt=fields.cache_salt)
+            return self.hasher.prompt_keys(
+                tokens, lora_name=adapter, cache_salt=fields.cache_salt, lora_path=adapter_path
+            )
 
         if fields.kind == "completion":
             prompts = fields.prompts

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,8 @@ from kvpool.hashing import (
     hash_block,
     seed_digest,
 )
+
+DATA = Path(__file__).parent / "data"
 
 
 def _cases(vectors: dict) -> list[dict]:
@@ -95,12 +99,15 @@ def test_lora_name_is_mixed_into_every_block() -> None:
     hasher = BlockHasher(block_size=4)
     tokens = list(range(12))
     plain = hasher.hash_prompt(tokens)
-    lora = hasher.hash_prompt(tokens, lora_name="sql-adapter")
+    lora = hasher.hash_prompt(tokens, lora_name="sql-adapter", lora_path="/a/sql")
     assert all(p != q for p, q in zip(plain, lora, strict=True))
     # Every block, not only the first: block 1 hashed from lora's block 0 still differs
-    # unless the name is in its own extra keys.
-    assert lora[1] == hash_block(lora[0], tokens[4:8], ("sql-adapter",))
+    # unless the adapter is in its own extra keys, tagged as vLLM 0.32 tags it.
+    assert lora[1] == hash_block(lora[0], tokens[4:8], (("lora", "sql-adapter", "/a/sql"),))
     assert lora[1] != hash_block(lora[0], tokens[4:8], None)
+    # vLLM keys the adapter's path too: a name pointed at another adapter shares nothing
+    moved = hasher.hash_prompt(tokens, lora_name="sql-adapter", lora_path="/b/sql")
+    assert not set(moved) & set(lora)
 
 
 def test_cache_salt_is_mixed_into_the_first_block_only() -> None:
@@ -108,18 +115,62 @@ def test_cache_salt_is_mixed_into_the_first_block_only() -> None:
     tokens = list(range(12))
     plain = hasher.hash_prompt(tokens)
     salted = hasher.hash_prompt(tokens, cache_salt="tenant-a")
-    assert salted[0] == hash_block(hasher.root, tokens[:4], ("tenant-a",))
+    assert salted[0] == hash_block(hasher.root, tokens[:4], (("cache_salt", "tenant-a"),))
     assert salted[1] == hash_block(salted[0], tokens[4:8], None)
     assert not set(salted) & set(plain)  # through the chain, no block is shared
     other = hasher.hash_prompt(tokens, cache_salt="tenant-b")
     assert not set(salted) & set(other)
 
 
-def test_lora_name_comes_before_cache_salt_in_extra_keys() -> None:
+def test_lora_comes_before_cache_salt_and_the_two_never_collide() -> None:
     hasher = BlockHasher(block_size=4)
     tokens = list(range(4))
-    both = hasher.hash_prompt(tokens, lora_name="L", cache_salt="S")
-    assert both[0] == hash_block(hasher.root, tokens, ("L", "S"))
+    both = hasher.hash_prompt(tokens, lora_name="L", cache_salt="S", lora_path="/L")
+    assert both[0] == hash_block(hasher.root, tokens, (("lora", "L", "/L"), ("cache_salt", "S")))
+    # tagged keys keep an adapter and a salt of one name apart (bare ones did not)
+    assert hasher.hash_prompt(tokens, lora_name="X", lora_path="X") != hasher.hash_prompt(
+        tokens, cache_salt="X"
+    )
+
+
+def _vllm_cases(kind: str | None = None) -> list[dict]:
+    cases = json.loads((DATA / "vllm_hash_vectors.json").read_text())["cases"]
+    return [c for c in cases if kind is None or c["name"] == kind]
+
+
+@pytest.mark.parametrize("case", _vllm_cases(), ids=lambda c: f"{c['name']}-seed-{c['hash_seed']}")
+def test_extra_keys_hash_as_vllm_0_32_hashes_them(case: dict) -> None:
+    """Vectors computed by vLLM 0.32's own hashing code (tests/data/vllm_hash_vectors.json):
+    salted and LoRA prompts, under PYTHONHASHSEED=0 and under vLLM's fixed default seed."""
+    hasher = BlockHasher(block_size=case["block_size"], hash_seed=case["hash_seed"])
+    tokens = parse_token_ids(case["token_ids"])
+    extra = {
+        "lora_name": case["lora_name"],
+        "lora_path": case["lora_path"],
+        "cache_salt": case["cache_salt"],
+    }
+    assert hasher.prompt_keys(tokens, **extra) == [b["key_u64"] for b in case["blocks"]]
+    chain = hasher.chain(**extra)
+    for token in tokens:
+        chain.extend([token])
+    assert chain.keys == [b["key_u64"] for b in case["blocks"]]
+
+
+def test_the_bare_scheme_of_older_vllms_hashes_the_values_alone() -> None:
+    tokens = list(range(1, 97))
+    bare = BlockHasher(block_size=32, extra_keys="bare")
+    tagged = BlockHasher(block_size=32)
+    salted = bare.hash_prompt(tokens, cache_salt="tenant-a")
+    assert salted[0] == hash_block(bare.root, tokens[:32], ("tenant-a",))
+    (case,) = [c for c in _vllm_cases("salted") if c["hash_seed"] == "0"]
+    assert tagged.prompt_keys(tokens, cache_salt="tenant-a") == [
+        b["key_u64"] for b in case["blocks"]
+    ]
+    assert not set(bare.prompt_keys(tokens, cache_salt="tenant-a")) & set(
+        tagged.prompt_keys(tokens, cache_salt="tenant-a")
+    )
+    with pytest.raises(ValueError, match="extra_keys must be one of tagged, bare"):
+        BlockHasher(extra_keys="typed")
 
 
 def test_hash_seed_changes_every_hash() -> None:

@@ -367,8 +367,9 @@ async def test_a_restarted_publisher_signals_resync_and_is_read_from_its_start(
 
 
 async def test_replay_socket_speaks_vllms_protocol_to_a_req_client(make_publisher) -> None:
-    """A client written for vLLM's publisher (REQ socket) reads our replay unchanged."""
-    pub = make_publisher(buffer_size=10, encoding="map")
+    """A client written for vLLM 0.32's publisher (REQ socket) reads our replay unchanged:
+    each batch as (topic, sequence, payload), the end as an empty topic and sequence -1."""
+    pub = make_publisher(buffer_size=10, encoding="map", topic="kv")
     for i in range(15):
         pub.publish([stored(i)])
     ctx = zmq.asyncio.Context.instance()
@@ -379,11 +380,12 @@ async def test_replay_socket_speaks_vllms_protocol_to_a_req_client(make_publishe
         seqs = []
         while True:
             assert await req.poll(5000)
-            _, seq_frame, payload = await req.recv_multipart()
+            _, topic, seq_frame, payload = await req.recv_multipart()
             seq = parse_seq(seq_frame)
             if seq == END_OF_REPLAY:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == b"kv"
             seqs.append(seq)
             assert decode_batch(payload).events == [stored(seq)]
         assert seqs == list(range(7, 15))  # 5 and 6 already left the 10-message buffer
@@ -516,6 +518,43 @@ async def test_a_replay_abandoned_midway_does_not_poison_the_next_one(collect) -
         assert [b.batch.events for b in second_try.batches] == [
             [BlockRemoved(block_hashes=[1 + i])] for i in range(3)
         ]
+    finally:
+        router.close(0)
+        live.close(0)
+
+
+@pytest.mark.parametrize("framing", ["vllm-0.32", "older"])
+async def test_a_replay_in_either_of_vllms_framings_is_read(collect, framing: str) -> None:
+    """vLLM 0.32 answers a replay with (topic, sequence, payload) per batch and an empty
+    topic before the end; older vLLMs sent no topic frame. A router must read both."""
+    ctx = zmq.asyncio.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    live = ctx.socket(zmq.PUB)
+    live.bind("tcp://127.0.0.1:*")
+    try:
+        sub = collect(
+            EventSubscriber(
+                live.getsockopt_string(zmq.LAST_ENDPOINT),
+                router.getsockopt_string(zmq.LAST_ENDPOINT),
+                start_seq=0,
+            )
+        )
+        request = await asyncio.wait_for(router.recv_multipart(), 10)
+        envelope = request[:-1]
+        for i in range(4):
+            payload = msgspec.msgpack.encode([1.0, [["BlockRemoved", [10 + i], "GPU"]], 0])
+            topic = [b""] if framing == "vllm-0.32" else []
+            await router.send_multipart([*envelope, *topic, encode_seq(i), payload])
+        end_topic = [b""] if framing == "vllm-0.32" else []
+        await router.send_multipart([*envelope, *end_topic, encode_seq(END_OF_REPLAY), b""])
+        await sub.wait_until(lambda: len(sub.batches) == 4)
+        assert [b.batch.events for b in sub.batches] == [
+            [BlockRemoved(block_hashes=[10 + i])] for i in range(4)
+        ]
+        assert all(b.replayed for b in sub.batches)
+        assert not sub.resyncs
+        assert sub.sub.stats.replay_failures == 0
     finally:
         router.close(0)
         live.close(0)

@@ -36,12 +36,13 @@ BASE = "meta-llama/Llama-3.2-1B"
 
 
 def card(model_id: str, parent: str | None = None, **extra: Any) -> dict[str, Any]:
-    """A model card as vLLM lists it: a LoRA adapter's ``parent`` and ``root`` name its base."""
+    """A model card as vLLM lists it: a LoRA adapter's ``parent`` names its base, its
+    ``root`` the path it was loaded from."""
     return {
         "id": model_id,
         "object": "model",
         "owned_by": "vllm",
-        "root": parent or model_id,
+        "root": f"/adapters/{model_id}" if parent else model_id,
         "parent": parent,
         "max_model_len": 2048,
         **extra,
@@ -220,7 +221,8 @@ async def test_adapters_are_listed_with_their_base_and_the_pool_serves_the_union
     assert (w2.model, w2.models) == ("tiny-llama", {"tiny-llama"})
     assert w1.view(time.monotonic()).models == {BASE, "sql-lora"}
     assert pool.models() == {BASE, "sql-lora", "tiny-llama"}
-    assert pool.adapters() == {"sql-lora"}
+    # each with its path: vLLM hashes an adapter's blocks with it
+    assert pool.adapters() == {"sql-lora": "/adapters/sql-lora"}
     cards = pool.model_cards()
     assert [c["id"] for c in cards] == sorted([BASE, "sql-lora", "tiny-llama"])
     # Each as its worker sent it: the adapter's parent and root, the context length.
@@ -233,14 +235,14 @@ async def test_an_adapter_loaded_at_run_time_is_seen_within_the_models_interval(
 ) -> None:
     vllm = Worker()
     pool, _ = await pool_of(vllm)
-    assert pool.adapters() == set()
+    assert pool.adapters() == {}
 
     vllm.cards = [card(BASE), card("chat-lora", parent=BASE)]  # POST /v1/load_lora_adapter
-    await eventually(lambda: pool.adapters() == {"chat-lora"}, "the new adapter")
+    await eventually(lambda: set(pool.adapters()) == {"chat-lora"}, "the new adapter")
     assert pool.models() == {BASE, "chat-lora"}
 
     vllm.cards = [card(BASE)]  # unloaded
-    await eventually(lambda: pool.adapters() == set(), "the adapter gone")
+    await eventually(lambda: pool.adapters() == {}, "the adapter gone")
 
     vllm.models_status = 500  # a failed read keeps what was known
     await asyncio.sleep(0.3)
@@ -266,7 +268,7 @@ async def test_a_down_workers_models_are_not_served(pool_of: Setup) -> None:
 
     pool.mark_down(pool.workers["w2"], "test")
     assert pool.models() == {BASE}
-    assert pool.adapters() == set()
+    assert pool.adapters() == {}
     assert [c["id"] for c in pool.model_cards()] == [BASE]
 
 

@@ -341,6 +341,8 @@ class EventPublisher:
             if start is not None and self._buffer:
                 # Buffered sequence numbers are contiguous: skip straight to the start.
                 skip = max(0, start - self._buffer[0][0])
+                # vLLM 0.32's framing: each batch with its topic, the end with an empty one
+                # (older vLLMs and kvpools sent no topic frame; subscribers read both).
                 for seq, payload in itertools.islice(self._buffer, skip, None):
-                    replay.send_multipart((*envelope, encode_seq(seq), payload))
-            replay.send_multipart((*envelope, encode_seq(END_OF_REPLAY), b""))
+                    replay.send_multipart((*envelope, self.topic, encode_seq(seq), payload))
+            replay.send_multipart((*envelope, b"", encode_seq(END_OF_REPLAY), b""))

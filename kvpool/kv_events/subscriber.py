@@ -573,8 +573,11 @@ class EventSubscriber:
                 if frames and not frames[0]:
                     frames = frames[1:]  # the empty delimiter of the DEALER/ROUTER envelope
                 try:
-                    if len(frames) != 2:
-                        raise MalformedMessage(f"expected 2 replay frames, got {len(frames)}")
+                    # (topic, sequence, payload) from vLLM 0.32 and kvpool since, the end
+                    # with an empty topic; (sequence, payload) from older ones.
+                    if len(frames) not in (2, 3):
+                        raise MalformedMessage(f"expected 2 or 3 replay frames, got {len(frames)}")
+                    frames = frames[-2:]
                     seq = parse_seq(frames[0])
                 except MalformedMessage as exc:
                     # A publisher never sends these: whatever answers is not one.
