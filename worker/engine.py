@@ -296,6 +296,8 @@ class EngineCore(KVHandOff):
                 "logprobs", f"logprobs={params.logprobs} exceeds the maximum of {MAX_LOGPROBS}"
             )
         self.check_vocabulary(params.stop_token_ids, "stop_token_ids", "stop token id")
+        self.check_vocabulary(params.allowed_token_ids or [], "allowed_token_ids", "token id")
+        self.check_vocabulary(list(params.logit_bias), "logit_bias", "token id")
         request_id = request_id or uuid.uuid4().hex
         chain = self.hasher.chain(cache_salt=cache_salt)
         chain.extend(token_ids)
@@ -622,6 +624,7 @@ class LLMEngine(EngineCore):
             [s.generator for s in seqs],
             self._generator,
             [self._banned(s) for s in seqs],
+            seqs,
         )
         return list(zip(seqs, result.token_ids, result.logprobs, strict=True))
 

@@ -12,15 +12,26 @@ from typing import Any
 from .engine import RequestOutput, TokenLogprob
 
 
-def usage(lasts: list[RequestOutput]) -> dict[str, Any]:
-    """Token counts of a response, from the last output of each of its choices."""
-    prompt = sum(o.num_prompt_tokens for o in lasts)
+def usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """Token counts of a response, from the last output of each of its choices (in order,
+    ``n`` per prompt): a prompt counts once however many choices it has, as in vLLM."""
+    firsts = lasts[::n]
+    prompt = sum(o.num_prompt_tokens for o in firsts)
     completion = sum(o.num_output_tokens for o in lasts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in lasts)},
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
+    }
+
+
+def running_usage(out: RequestOutput) -> dict[str, Any]:
+    """One choice's counts so far (a streamed chunk's, with ``continuous_usage_stats``)."""
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
     }
 
 
@@ -50,13 +61,22 @@ def choice(
 
 
 def logprobs(
-    kind: str, lps: list[TokenLogprob], tokenizer: Any | None, text_offset: int = 0
+    kind: str,
+    lps: list[TokenLogprob],
+    tokenizer: Any | None,
+    text_offset: int = 0,
+    *,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """Log-probabilities of generated tokens and their top alternatives. ``text_offset``:
-    where these tokens' text starts in the choice's text (a streamed chunk's is not 0)."""
+    where these tokens' text starts in the choice's text (a streamed chunk's is not 0).
+    ``as_ids``: each token as ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``, for
+    tokens whose text is not valid on its own)."""
 
     def text(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+        if as_ids or tokenizer is None:
+            return f"token_id:{token_id}" if as_ids else str(token_id)
+        return tokenizer.decode([token_id])
 
     if kind == "chat":
         content = []

@@ -90,15 +90,27 @@ class Responses:
                     code="engine_error",
                 )
             lps = [lp for o in outs[i] for lp in o.logprobs]
-            choices.append(self._choice(job, i, texts[i], last, lps, final=True))
+            text = "" if job.echo_only else texts[i]
+            if job.echoed is not None:
+                text = job.echoed[i] + text
+            c = self._choice(job, i, text, last, lps, final=True)
+            if job.token_ids:
+                if job.kind == "completion":
+                    c["prompt_token_ids"] = job.prepared[i].prompt_token_ids
+                c["token_ids"] = [t for o in outs[i] for t in o.new_token_ids]
+            choices.append(c)
         body: dict[str, Any] = {
             "id": job.id,
             "object": "chat.completion" if job.kind == "chat" else "text_completion",
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": fmt.usage([o[-1] for o in outs]),
+            "usage": fmt.usage([o[-1] for o in outs], job.n),
         }
+        if job.kind == "chat" and job.token_ids:
+            body["prompt_token_ids"] = job.prepared[0].prompt_token_ids
+        if job.prompt_text is not None:
+            body["prompt_text"] = job.prompt_text
         if job.transfer is not None and job.transfer.do_remote_decode:
             body["kv_transfer_params"] = await self._transfer_params(job.prepared[0])
         return body
@@ -117,19 +129,20 @@ class Responses:
         logprobs = None
         if job.logprobs is not None:
             tokenizer = self.engine.tokenizer if self.engine is not None else None
-            logprobs = fmt.logprobs(job.kind, lps, tokenizer, text_offset)
+            logprobs = fmt.logprobs(job.kind, lps, tokenizer, text_offset, as_ids=job.tokens_as_ids)
         return fmt.choice(job.kind, index, text, out, logprobs, final=final)
 
     async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
-        def chunk(choices: list[dict[str, Any]], usage: Any = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: Any = None, **extra: Any) -> bytes:
             body: dict[str, Any] = {
                 "id": job.id,
                 "object": obj,
                 "created": job.created,
                 "model": self.model_name,
                 "choices": choices,
+                **extra,
             }
             if job.include_usage:
                 body["usage"] = usage
@@ -137,8 +150,15 @@ class Responses:
 
         lasts: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # per choice: where the next logprob token's text starts
+        begun: set[int] = set()  # choices whose first output has been sent
         try:
             if job.kind == "chat":
+                first: dict[str, Any] = {}
+                if job.token_ids:
+                    first["prompt_token_ids"] = job.prepared[0].prompt_token_ids
+                if job.prompt_text is not None:
+                    first["prompt_text"] = job.prompt_text
+                prompt_tokens = len(job.prepared[0].prompt_token_ids)
                 yield chunk(
                     [
                         {
@@ -148,7 +168,17 @@ class Responses:
                             "finish_reason": None,
                         }
                         for i in range(len(job.prepared))
-                    ]
+                    ],
+                    (
+                        {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": 0,
+                            "total_tokens": prompt_tokens,
+                        }
+                        if job.continuous_usage
+                        else None
+                    ),
+                    **first,
                 )
             async with contextlib.aclosing(self._outputs(job)) as outputs:
                 async for i, item in outputs:
@@ -165,11 +195,14 @@ class Responses:
                         return
                     if out.finished:
                         lasts[i] = out
-                    if out.new_text or out.finished or job.logprobs is not None:
+                    text = "" if job.echo_only else out.new_text
+                    if i not in begun and job.echoed is not None:
+                        text = job.echoed[i] + text
+                    if text or out.finished or job.logprobs is not None or job.token_ids:
                         c = self._choice(
                             job,
                             i,
-                            out.new_text,
+                            text,
                             out,
                             out.logprobs,
                             final=False,
@@ -177,9 +210,15 @@ class Responses:
                         )
                         if c["logprobs"] and "tokens" in c["logprobs"]:
                             offsets[i] = offsets.get(i, 0) + sum(map(len, c["logprobs"]["tokens"]))
-                        yield chunk([c])
+                        if job.token_ids:
+                            if job.kind == "completion" and i not in begun:
+                                c["prompt_token_ids"] = job.prepared[i].prompt_token_ids
+                            c["token_ids"] = out.new_token_ids
+                        begun.add(i)
+                        usage = fmt.running_usage(out) if job.continuous_usage else None
+                        yield chunk([c], usage)
             if job.include_usage:
-                yield chunk([], fmt.usage(list(lasts.values())))
+                yield chunk([], fmt.usage([lasts[i] for i in sorted(lasts)], job.n))
             yield b"data: [DONE]\n\n"
         finally:
             self._done(job)

@@ -43,6 +43,17 @@ class SamplingParams:
     logprobs: int | None = None  # top-n alternatives per generated token (0: chosen only)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What reshapes the logits before a token is drawn, as vLLM applies them: only the
+    # allowed tokens, no token that would complete a bad word, the logit bias, then the
+    # penalties (repetition over prompt and output; presence and frequency over the
+    # output, as OpenAI defines them); min_p after the temperature.
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +68,13 @@ class SamplingParams:
             (self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must not be negative"),
             (all(s for s in self.stop), "stop", "must not contain an empty string"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (math.isfinite(self.repetition_penalty), "repetition_penalty", "must be finite"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be greater than 0"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.allowed_token_ids != [], "allowed_token_ids", "must not be empty"),
+            (all(self.bad_words_token_ids), "bad_words_token_ids", "must not hold an empty word"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -65,6 +83,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether picking a token depends on the tokens so far (penalties, bad words)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.bad_words_token_ids
+        )
 
 
 class Status(enum.Enum):

