@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 # 3.11's safe-path mode leaves it off, for every Python these targets start.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install vllm-env test test-vllm test-each lint format pytest bench bench-routing bench-ingress bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
+.PHONY: install vllm-env test test-vllm test-each lint bench-vllm format pytest bench bench-routing bench-ingress bench-affinity bench-replicas bench-overhead bench-index bench-scrape bench-sim-calibration run demo crd dashboards chart clean
 
 install: $(STAMP)
 
@@ -94,6 +94,11 @@ bench: install
 # priority bands under the same flood.
 bench-flow-control: install
 	$(PY) bench/flow_control.py
+
+# Routing on two real vLLM CPU workers: kvpool beside smg, vllm-router (kv_aware) and
+# round-robin in the same run.
+bench-vllm: install vllm-env
+	$(PY) bench/vllm_real.py
 
 # Routing quality on 8 simulated workers: kvpool's policy, the baselines and the SGLang router.
 bench-routing: install

@@ -32,7 +32,6 @@ from kvpool import __version__
 from kvpool.api.inferencepool import (
     CLIENT_LIMIT_SETTINGS,
     FLOW_CONTROL_SETTINGS,
-    EngineSpec,
     InferencePoolSpec,
     RoleSpec,
 )
@@ -92,7 +91,7 @@ class Images:
 
     worker: str = f"ghcr.io/kvpool/kvpool-worker:{__version__}"
     worker_cpu: str = f"ghcr.io/kvpool/kvpool-worker:{__version__}-cpu"
-    vllm: str = "vllm/vllm-openai:v0.11.0"
+    vllm: str = "vllm/vllm-openai:v0.32.0"
     router: str = f"ghcr.io/kvpool/kvpool-router:{__version__}"
 
     @classmethod
@@ -304,7 +303,7 @@ def _huggingface_init(spec: InferencePoolSpec, images: Images, worker: Manifest 
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
         )
-    if worker is not None and spec.engine.type == "vllm":
+    if worker is not None and spec.engine_type == "vllm":
         command = ["python3", "-c", _VLLM_FETCH]
         args = [hf.repo, hf.revision, HF_CACHE_MOUNT, HF_SNAPSHOT]
     else:
@@ -373,7 +372,7 @@ def default_image_key(spec: InferencePoolSpec, role: str) -> str | None:
     names its own (``engine.image``)."""
     if spec.engine.image:
         return None
-    if spec.engine.type == "vllm":
+    if spec.engine_type == "vllm":
         return "vllm"
     resources = spec.roles()[role].resources
     gpu = "nvidia.com/gpu" in {**resources.requests, **resources.limits}
@@ -384,7 +383,7 @@ def worker_image(spec: InferencePoolSpec, role: str, images: Images) -> str:
     """The spec's image, else the default for the engine (CUDA only where GPUs are asked)."""
     if spec.engine.image:
         return spec.engine.image
-    if spec.engine.type == "vllm":
+    if spec.engine_type == "vllm":
         return images.vllm
     resources = spec.roles()[role].resources
     gpu = "nvidia.com/gpu" in {**resources.requests, **resources.limits}
@@ -400,7 +399,7 @@ def _kvpool_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manife
         "--host", "0.0.0.0",
         "--port", str(engine.port),
         "--role", spec.worker_role_label(role),
-        "--block-size", str(engine.block_size),
+        "--block-size", str(spec.block_size),
         "--hash-seed", engine.hash_seed,
         "--drain-timeout-s", str(max(role_spec.termination_grace_period_seconds - 5, 0)),
     ]  # fmt: skip
@@ -437,7 +436,7 @@ def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest
         "--served-model-name", spec.model.name,
         "--host", "0.0.0.0",
         "--port", str(engine.port),
-        "--block-size", str(engine.block_size),
+        "--block-size", str(spec.block_size),
         "--enable-prefix-caching",
         "--prefix-caching-hash-algo", "sha256_cbor",
         # usage.prompt_tokens_details.cached_tokens: the router's realised hit ratio
@@ -485,14 +484,15 @@ def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest
     }
 
 
-def _worker_ports(engine: EngineSpec) -> list[Manifest]:
+def _worker_ports(spec: InferencePoolSpec) -> list[Manifest]:
+    engine = spec.engine
     ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
     if engine.kv_events.enabled:
         ports += [
             {"name": "kv-events", "containerPort": engine.kv_events.port, "protocol": "TCP"},
             {"name": "kv-replay", "containerPort": engine.kv_events.replay_port, "protocol": "TCP"},
         ]
-    if engine.type == "vllm":
+    if spec.engine_type == "vllm":
         port = engine.kv_transfer.side_channel_port
         ports.append({"name": "nixl", "containerPort": port, "protocol": "TCP"})
     return ports
@@ -566,13 +566,13 @@ def worker_deployment(
 ) -> Manifest:
     role_spec: RoleSpec = spec.roles()[role]
     engine = spec.engine
-    build = _vllm_worker if engine.type == "vllm" else _kvpool_worker
+    build = _vllm_worker if spec.engine_type == "vllm" else _kvpool_worker
     container = build(spec, role, images)
     # kvpool workers sign and check the hand-off, and guard their admin endpoints, with the
     # pool secret: on the container, where the preStop hook's drain reads it too.
     container["env"] += _pool_secret_env(pool, spec, WORKER_POOL_SECRET_ENV)
     container["env"] += _env(engine.env) + _env(role_spec.env)
-    container["ports"] = _worker_ports(engine)
+    container["ports"] = _worker_ports(spec)
     if engine.image_pull_policy:
         container["imagePullPolicy"] = engine.image_pull_policy
     container.update(_probes("http"))
@@ -581,7 +581,7 @@ def worker_deployment(
         container["resources"] = resources
     volumes = _model_volumes(spec)
     mounts = _model_mounts(spec)
-    if engine.type == "vllm":  # NCCL and the tokenizer pool use shared memory
+    if spec.engine_type == "vllm":  # NCCL and the tokenizer pool use shared memory
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if mounts:
@@ -595,7 +595,7 @@ def worker_deployment(
     init = _model_init(spec, images, container)
     _add_pod_parts(pod_spec, [init] if init else [], volumes, role_spec, role_spec.affinity)
     _add_pull_secrets(pod_spec, engine.image_pull_secrets)
-    if engine.type == "kvpool":
+    if spec.engine_type == "kvpool":
         _restrict(pod_spec)
         _cache_claim_writable(spec, pod_spec)
 
@@ -659,7 +659,7 @@ def worker_service(pool: str, namespace: str, spec: InferencePoolSpec, role: str
     """A headless Service per role: stable DNS for each worker, for debugging and scraping."""
     ports = [
         {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
-        for p in _worker_ports(spec.engine)
+        for p in _worker_ports(spec)
     ]
     return {
         "apiVersion": "v1",
@@ -708,7 +708,7 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
         "KVPOOL_ROUTER_SELECTOR": worker_selector(pool),
         "KVPOOL_ROUTER_WORKER_PORT": "http",
         "KVPOOL_ROUTER_ROLE_LABEL": ROLE_LABEL,
-        "KVPOOL_ROUTER_BLOCK_SIZE": str(engine.block_size),
+        "KVPOOL_ROUTER_BLOCK_SIZE": str(spec.block_size),  # the workers' --block-size
         "KVPOOL_ROUTER_HASH_SEED": engine.hash_seed,
         "KVPOOL_ROUTER_POLICY": router.policy,
         # when the router splits a request between a prefill and a decode worker
@@ -721,7 +721,7 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
     }  # fmt: skip
     if router.processes > 1:  # process i of each pod binds the peer port + i
         data["KVPOOL_ROUTER_PROCESSES"] = str(router.processes)
-    if engine.type == "vllm" and engine.kv_events.enabled:
+    if spec.engine_type == "vllm" and engine.kv_events.enabled:
         # vLLM has no /kvpool/info to say where its events are: tell the router.
         data["KVPOOL_ROUTER_WORKER_EVENTS_PORT"] = str(engine.kv_events.port)
         data["KVPOOL_ROUTER_WORKER_REPLAY_PORT"] = str(engine.kv_events.replay_port)
@@ -905,7 +905,7 @@ def router_manifests(
 def pool_secret_ref(pool: str, spec: InferencePoolSpec) -> tuple[str, str] | None:
     """The Secret and key holding the pool secret: the spec's (``poolSecret``), else the
     one the operator makes. None in a pool of vLLM workers, where nothing would check it."""
-    if spec.engine.type != "kvpool":
+    if spec.engine_type != "kvpool":
         return None
     if spec.pool_secret is not None:
         return spec.pool_secret.secret_name, spec.pool_secret.key
@@ -978,13 +978,13 @@ def network_policies(
     disaggregated = spec.prefill is not None
 
     http_from = [copy.deepcopy(routers)]
-    if disaggregated and engine.type == "kvpool":
+    if disaggregated and spec.engine_type == "kvpool":
         http_from.append(copy.deepcopy(workers))
     worker_ingress: list[Manifest] = [{"from": http_from + watchers, "ports": [_tcp(engine.port)]}]
     if engine.kv_events.enabled:
         ports = [_tcp(engine.kv_events.port), _tcp(engine.kv_events.replay_port)]
         worker_ingress.append({"from": [copy.deepcopy(routers)], "ports": ports})
-    if disaggregated and engine.type == "vllm":
+    if disaggregated and spec.engine_type == "vllm":
         worker_ingress.append({"from": [copy.deepcopy(workers)]})
 
     if policy.clients_from is None:  # anyone: router.auth's keys guard it

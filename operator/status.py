@@ -103,6 +103,8 @@ def build_status(
     else:
         roles = [r for r in ("prefill", "decode") if deps.get(r) is not None]
     status: dict[str, Any] = {"observedGeneration": observed.generation}
+    if spec is not None:
+        status["engine"] = engine_status(spec)
 
     router_dep = deps.get("router")
     for role in ("prefill", "decode"):
@@ -176,6 +178,16 @@ def build_status(
     if observed.autoscaler is not None:
         status["autoscaler"] = observed.autoscaler
     return status
+
+
+def engine_status(spec: InferencePoolSpec) -> dict[str, Any]:
+    """The engine the workers run and its block size, and what of them the operator chose
+    where the spec is silent (``kubectl get kvpool -o wide`` shows the engine)."""
+    return {
+        "type": spec.engine_type,
+        "blockSize": spec.block_size,
+        "chosen": spec.engine_choices(),
+    }
 
 
 def _autoscaling_default(spec: InferencePoolSpec | None) -> tuple[str, str, str]:

@@ -377,6 +377,9 @@ def spec_with(**parts: Any) -> dict[str, Any]:
 
 
 VLLM = {"type": "vllm"}
+# Roles that ask for GPUs: with no engine named, the pool runs vLLM (and its rules apply).
+GPU_DECODE = {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}}
+GPU_PREFILL = {"resources": {"requests": {"amd.com/gpu": "1"}}}
 BOUNDS = {"minReplicas": 1, "maxReplicas": 4}
 SLO = {"ttftMilliseconds": 500}
 ON = {"enabled": True, "decode": BOUNDS}
@@ -457,6 +460,30 @@ VALID = {
         "v",
         spec_with(engine=VLLM, networkPolicy={"enabled": False, "metricsFrom": []}),
     ),
+    "gpus, no engine named: vllm's seed, block size and tokenizer": (
+        "g",
+        spec_with(
+            model={**MODEL, "tokenizer": "org/t"},
+            engine={"hashSeed": "7", "blockSize": 32},
+            decode=GPU_DECODE,
+        ),
+    ),
+    "gpus, kvpool named: any seed and block size, a pool secret": (
+        "g",
+        spec_with(
+            engine={"type": "kvpool", "hashSeed": "any", "blockSize": 20},
+            decode=GPU_DECODE,
+            poolSecret={"secretName": "mine"},
+        ),
+    ),
+    "no gpus, no engine named: kvpool's any seed and block size, a pool secret": (
+        "c",
+        spec_with(
+            engine={"hashSeed": "any", "blockSize": 20},
+            decode={"resources": {"limits": {"cpu": "4", "memory": "8Gi"}}},
+            poolSecret={"secretName": "mine"},
+        ),
+    ),
 }
 
 # (name, spec, substrings of the messages of the rules the API server refuses it for)
@@ -476,6 +503,30 @@ INVALID = {
         ["hashSeed"],
     ),
     "vllm block size": ("p", spec_with(engine={**VLLM, "blockSize": 20}), ["blockSize"]),
+    "gpus, no engine named: vllm's seed": (
+        "p",
+        spec_with(engine={"hashSeed": "abc"}, decode=GPU_DECODE),
+        ["hashSeed"],
+    ),
+    "a prefill gpu, no engine named: vllm's block sizes": (
+        "p",
+        spec_with(
+            engine={"blockSize": 20},
+            disaggregation={"mode": "Disaggregated"},
+            prefill=GPU_PREFILL,
+        ),
+        ["blockSize"],
+    ),
+    "gpus, no engine named: no pool secret": (
+        "p",
+        spec_with(decode=GPU_DECODE, poolSecret={"secretName": "s"}),
+        ["poolSecret is for kvpool"],
+    ),
+    "gpus, kvpool named: no tokenizer": (
+        "p",
+        spec_with(model={**MODEL, "tokenizer": "t"}, engine={"type": "kvpool"}, decode=GPU_DECODE),
+        ["model.tokenizer"],
+    ),
     "vllm seed and block size": (
         "p",
         spec_with(engine={**VLLM, "hashSeed": "-1", "blockSize": 512}),
@@ -630,8 +681,8 @@ INVALID = {
         spec_with(disaggregation={"mode": "Disaggregated"}),
         ["metadata.name", "prefill is required"],
     ),
-    # The API server reports all four; the operator reports the engine's first, since the
-    # pool's rules wait for valid parts.
+    # All four are the pool's rules (the engine's type may be the operator's choice, by the
+    # roles' GPUs): the API server and the operator report them all.
     "engine and pool rules at once": (
         "p",
         spec_with(
@@ -669,10 +720,22 @@ def test_every_rule_is_broken_by_some_example() -> None:
 
 # Specs whose fields are all valid, in every combination of the parts the rules look at.
 _ROLLOUT_VALUE = st.sampled_from([0, 1, "0%", "00%", "25%"])
+_RESOURCES = st.fixed_dictionaries(
+    {},
+    optional={
+        kind: st.dictionaries(
+            st.sampled_from(["nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/xe", "cpu"]),
+            st.sampled_from([0, 1, "2"]),
+            max_size=2,
+        )
+        for kind in ("requests", "limits")
+    },
+)
 _ROLE = st.fixed_dictionaries(
     {},
     optional={
         "replicas": st.integers(0, 4),
+        "resources": _RESOURCES,
         "rollout": st.fixed_dictionaries(
             {}, optional={"maxSurge": _ROLLOUT_VALUE, "maxUnavailable": _ROLLOUT_VALUE}
         ),
@@ -688,8 +751,9 @@ _HASH_SEED = st.one_of(
 )  # fmt: skip
 _PORT = st.sampled_from([5557, 5558, 6000])
 _ENGINE = st.fixed_dictionaries(
-    {"type": st.sampled_from(["vllm", "kvpool"])},
+    {},
     optional={
+        "type": st.sampled_from(["vllm", "kvpool"]),
         "hashSeed": _HASH_SEED,
         "blockSize": st.sampled_from([1, 16, 20, 256, 512, 1024]),
         "kvEvents": st.fixed_dictionaries({}, optional={"port": _PORT, "replayPort": _PORT}),
@@ -737,6 +801,7 @@ _SPEC = st.fixed_dictionaries(
                 "decode": _BOUNDS,
             },
         ),
+        "poolSecret": st.just({"secretName": "mine"}),
     },
 )
 
@@ -884,8 +949,10 @@ def test_a_minimal_pool_gets_the_documented_defaults() -> None:
     assert pool.model.source.builtin is not None
     assert pool.model.source.builtin.name == "tiny-llama"
     assert pool.disaggregation.mode == "Aggregated"
-    assert pool.engine.type == "kvpool"
-    assert (pool.engine.port, pool.engine.block_size, pool.engine.hash_seed) == (8000, 16, "0")
+    # no engine named and no GPU asked for: kvpool's own engine, blocks of 16
+    assert pool.engine.type is None and pool.engine.block_size is None
+    assert (pool.engine_type, pool.block_size) == ("kvpool", 16)
+    assert (pool.engine.port, pool.engine.hash_seed) == (8000, "0")
     assert (pool.engine.kv_events.port, pool.engine.kv_events.replay_port) == (5557, 5558)
     assert pool.prefill is None
     assert pool.decode.replicas == 1

@@ -138,7 +138,7 @@ def assert_model_on_claim(children: list[Manifest], spec: InferencePoolSpec) -> 
         assert mount in c["volumeMounts"], role
         if role == "router":
             assert router_config_map(children)["data"]["KVPOOL_ROUTER_MODEL"] == model_dir
-        elif spec.engine.type == "vllm":
+        elif spec.engine_type == "vllm":
             assert c["args"][0] == model_dir, role
         else:
             assert flag(c["args"], "--model") == model_dir, role
@@ -155,7 +155,7 @@ def assert_vllm_prefix_caching_and_events(
         args = c["args"]
         assert args.count("--enable-prefix-caching") == 1, role  # added once, by the operator
         assert flag(args, "--prefix-caching-hash-algo") == "sha256_cbor", role
-        assert flag(args, "--block-size") == str(spec.engine.block_size), role
+        assert flag(args, "--block-size") == str(spec.block_size), role
         events = json.loads(flag(args, "--kv-events-config"))
         assert events["enable_kv_cache_events"] is True
         assert events["publisher"] == "zmq"
@@ -188,7 +188,7 @@ def claims_tiny_cpu(pool: str, spec: InferencePoolSpec, children: list[Manifest]
 def claims_gpu_kvpool_pvc(pool: str, spec: InferencePoolSpec, children: list[Manifest]) -> None:
     """kvpool workers on one GPU each (the CUDA image), the model from the claim, Auto mode,
     both roles autoscaled to the SLO (Active)."""
-    assert spec.engine.type == "kvpool"
+    assert spec.engine.type == "kvpool"  # named: a GPU pool that names no engine runs vLLM
     assert spec.disaggregation.mode == "Auto"
     assert set(workers(children)) == {"prefill", "decode"}
     assert_gpu_workers(children, IMAGES.worker)
@@ -208,7 +208,7 @@ def claims_gpu_kvpool_pvc(pool: str, spec: InferencePoolSpec, children: list[Man
 def claims_vllm_aggregated(pool: str, spec: InferencePoolSpec, children: list[Manifest]) -> None:
     """vLLM workers (the default image) with prefix caching and KV events, whole requests,
     the autoscaler advising only."""
-    assert spec.engine.type == "vllm" and spec.engine.image is None
+    assert spec.engine_type == "vllm" and spec.engine.image is None
     assert set(workers(children)) == {"decode"}
     assert_gpu_workers(children, IMAGES.vllm)
     assert_model_on_claim(children, spec)
@@ -221,7 +221,7 @@ def claims_vllm_aggregated(pool: str, spec: InferencePoolSpec, children: list[Ma
 
 def claims_vllm_disaggregated(pool: str, spec: InferencePoolSpec, children: list[Manifest]) -> None:
     """vLLM prefill and decode workers on GPUs, KV blocks moved by the NixlConnector."""
-    assert spec.engine.type == "vllm"
+    assert spec.engine_type == "vllm"
     assert spec.disaggregation.mode == "Disaggregated"
     assert set(workers(children)) == {"prefill", "decode"}
     assert_gpu_workers(children, IMAGES.vllm)
@@ -346,7 +346,7 @@ def test_kvpool_workers_take_the_rendered_arguments(name: str, tmp_path: Path) -
 
     (tmp_path / "config.json").write_text("{}")  # stands in for the model directory
     _, spec, children = the_pool(name)
-    if spec.engine.type != "kvpool":
+    if spec.engine_type != "kvpool":
         pytest.skip("vLLM workers: vLLM parses its own arguments")
     for role, deployment in workers(children).items():
         c = container(deployment, "worker")
@@ -355,7 +355,7 @@ def test_kvpool_workers_take_the_rendered_arguments(name: str, tmp_path: Path) -
         values = settings_values(args, WorkerSettings, ENV_PREFIX)
         settings = build_settings(WorkerSettings, {**values, "model": str(tmp_path)})
         assert settings.port == spec.engine.port, role
-        assert settings.block_size == spec.engine.block_size, role
+        assert settings.block_size == spec.block_size, role
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -376,7 +376,7 @@ def test_router_takes_the_rendered_config(
     values = settings_values(argparse.Namespace(), RouterSettings, ENV_PREFIX)
     settings = build_settings(RouterSettings, values)
     assert settings.discovery == "kubernetes"
-    assert settings.block_size == spec.engine.block_size
+    assert settings.block_size == spec.block_size
     assert settings.served_model_name == spec.model.name
 
 

@@ -44,12 +44,14 @@ SPECS: dict[str, dict[str, Any]] = {
             "name": "llama-3.1-8b",
             "source": {"pvc": {"claimName": "models", "path": "llama-3.1-8b-instruct"}},
         },
+        "engine": {"type": "kvpool"},  # GPUs and no engine named would be vLLM
         "decode": {"replicas": 2, "resources": GPU, **SCHEDULING},
         "router": {"replicas": 2, "scorers": {"prefix": 3, "in-flight": 1}},
         "slo": SLO,
     },
     "disaggregated-kvpool": {
         "model": {"name": "llama-3.1-8b", "source": {"hostPath": {"path": "/data/llama"}}},
+        "engine": {"type": "kvpool"},
         "disaggregation": {"mode": "Disaggregated"},
         "prefill": {"replicas": 1, "resources": GPU, **SCHEDULING},
         "decode": {"replicas": 3, "resources": GPU, **SCHEDULING},

@@ -49,6 +49,7 @@ BOUNDS = {"minReplicas": 1, "maxReplicas": 4}
 POOLS: dict[str, dict[str, Any]] = {
     "kvpool-gpu-disaggregated": {
         "model": {"name": "m", "source": {"pvc": {"claimName": "models", "path": "m"}}},
+        "engine": {"type": "kvpool"},  # named: GPUs and no engine named run vLLM
         "disaggregation": {"mode": "Disaggregated"},
         "prefill": {"replicas": 1, "resources": GPU},
         "decode": {"replicas": 2, "resources": GPU},
@@ -61,6 +62,7 @@ POOLS: dict[str, dict[str, Any]] = {
     },
     "kvpool-gpu-builtin": {
         "model": {"name": "tiny", "source": {"builtin": {}}},
+        "engine": {"type": "kvpool"},
         "decode": {"replicas": 1, "resources": GPU},
     },
     "vllm-model-in-image": {
@@ -147,7 +149,7 @@ def test_an_operator_upgrade_leaves_worker_pod_templates_byte_identical(
 def test_a_new_default_image_key_takes_the_new_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU added: the CUDA image of the new operator, not the CPU image that ran."""
     cpu = POOLS["kvpool-cpu-model-in-image"]
-    gpu = {**cpu, "decode": {"replicas": 1, "resources": GPU}}
+    gpu = {**cpu, "engine": {"type": "kvpool"}, "decode": {"replicas": 1, "resources": GPU}}
     old = children_of(cpu, "0.1.0", monkeypatch)
     kept = deployments(keep_default_images(children_of(gpu, "0.2.0", monkeypatch), old))
     assert deployments(old)["decode"]["metadata"]["annotations"][DEFAULT_IMAGE] == "worker-cpu"
@@ -345,7 +347,7 @@ def test_router_pod_template_affinity_and_pull_secrets_are_rendered() -> None:
     }
     spec = {
         **POOLS["kvpool-gpu-disaggregated"],
-        "engine": {"imagePullSecrets": [{"name": "gpu-registry"}]},
+        "engine": {"type": "kvpool", "imagePullSecrets": [{"name": "gpu-registry"}]},
         "router": {
             "affinity": affinity,
             "imagePullSecrets": [{"name": "regcred"}],

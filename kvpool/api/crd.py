@@ -51,7 +51,8 @@ PRINTER_COLUMNS = [
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
     {"name": "Mode", "type": "string", "jsonPath": ".spec.disaggregation.mode", "priority": 1},
-    {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.type", "priority": 1},
+    # The engine the operator resolved (the spec may leave it to the GPUs the workers ask for).
+    {"name": "Engine", "type": "string", "jsonPath": ".status.engine.type", "priority": 1},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

