@@ -233,24 +233,45 @@ def _text_of(parts: Sequence[Any]) -> list[str]:
 def vllm_conversation(
     messages: Sequence[Mapping[str, Any]], template: str | None
 ) -> list[dict[str, Any]]:
-    """Messages as vLLM 0.32 gives them to ``template``. In the "string" content format a
-    message's text parts are joined with a newline and no content is ``""``; in the
-    "openai" format content is a list of text parts (a string becomes one), except a tool
-    message's, which is joined again. Where the template knows no ``developer`` role,
-    developer messages become system messages, all merged into one at the start."""
+    """Messages as vLLM 0.32 gives them to ``template``, each rebuilt from the keys vLLM
+    keeps: ``role`` and ``content``; an assistant's ``tool_calls`` (an empty list dropped)
+    and its reasoning, as both ``reasoning`` and ``reasoning_content`` (the request may name
+    either); a tool message's ``tool_call_id``; a string ``name`` or ``task``; a developer
+    message's ``tools``. In the "string" content format a message's text parts are joined
+    with a newline (empty ones left out) and no content is ``""``; in the "openai" format
+    content is a list of text parts (a string becomes one), except a tool message's, which
+    is joined again. Where the template knows no ``developer`` role, developer messages
+    become system messages, all merged into one at the start."""
     openai = template is not None and chat_content_format(template) == "openai"
     out = []
     for m in messages:
-        m = dict(m)
+        role = m.get("role")
         content = m.get("content")
         parts = [] if content is None else [content] if isinstance(content, str) else content
-        if openai and m.get("role") != "tool":
-            m["content"] = [
+        msg: dict[str, Any] = {"role": role}
+        if openai and role != "tool":
+            msg["content"] = [
                 {"type": "text", "text": p} if isinstance(p, str) else dict(p) for p in parts
             ]
         else:
-            m["content"] = "\n".join(_text_of(parts))
-        out.append(m)
+            msg["content"] = "\n".join(t for t in _text_of(parts) if t)
+        if role == "assistant":
+            calls = m.get("tool_calls")
+            if calls:
+                msg["tool_calls"] = list(calls)
+            reasoning = m.get("reasoning")
+            if reasoning is None:
+                reasoning = m.get("reasoning_content")
+            if reasoning is not None:
+                msg["reasoning"] = msg["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in m:
+            msg["tool_call_id"] = m["tool_call_id"]
+        for key in ("name", "task"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if role == "developer":
+            msg["tools"] = m.get("tools")
+        out.append(msg)
     if template is not None and any(m.get("role") == "developer" for m in out):
         if '"developer"' not in template and "'developer'" not in template:
             out = _developer_as_system(out)

@@ -379,7 +379,7 @@ def spec_with(**parts: Any) -> dict[str, Any]:
 VLLM = {"type": "vllm"}
 # Roles that ask for GPUs: with no engine named, the pool runs vLLM (and its rules apply).
 GPU_DECODE = {"resources": {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}}
-GPU_PREFILL = {"resources": {"requests": {"amd.com/gpu": "1"}}}
+GPU_PREFILL = {"resources": {"requests": {"nvidia.com/gpu": "1"}}}
 BOUNDS = {"minReplicas": 1, "maxReplicas": 4}
 SLO = {"ttftMilliseconds": 500}
 ON = {"enabled": True, "decode": BOUNDS}

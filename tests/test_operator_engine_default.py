@@ -71,7 +71,7 @@ def test_a_gpu_asked_for_by_the_prefill_role_alone_makes_the_pool_vllm() -> None
     spec = {
         "model": MODEL,
         "disaggregation": {"mode": "Disaggregated"},
-        "prefill": {"resources": {"requests": {"amd.com/gpu": "1"}}},
+        "prefill": {"resources": {"requests": {"nvidia.com/gpu": "1"}}},
         "decode": {},
     }
     objs = children(spec)
@@ -81,7 +81,14 @@ def test_a_gpu_asked_for_by_the_prefill_role_alone_makes_the_pool_vllm() -> None
     assert router_block_size(objs) == "16"
 
 
-@pytest.mark.parametrize("resources", [{}, CPU], ids=["no resources", "cpu and memory"])
+AMD = {"limits": {"amd.com/gpu": 1}}
+
+
+@pytest.mark.parametrize(
+    "resources",
+    [{}, CPU, AMD],
+    ids=["no resources", "cpu and memory", "AMD GPUs (vLLM's default image is CUDA's)"],
+)
 def test_a_pool_without_gpus_that_names_no_engine_runs_kvpool_workers(
     resources: dict[str, Any],
 ) -> None:

