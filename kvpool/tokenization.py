@@ -206,7 +206,29 @@ def chat_content_format(template: str) -> str:
     }
     if any(True for _ in _loops_over(tree, message_names, "content")):
         return "openai"
-    macro_loops = {id(loop) for macro in tree.find_all(n.Macro) for loop in macro.find_all(n.For)}
+    macro_loops: set[int] = set()
+    for macro in tree.find_all(n.Macro):
+        # a macro given a message's content (``render(message.content)``, or by keyword):
+        # a loop over that parameter inside it is a loop over the content
+        params = [arg.name for arg in macro.args]
+        given: set[str] = set()
+        for call in tree.find_all(n.Call):
+            if not (isinstance(call.node, n.Name) and call.node.name == macro.name):
+                continue
+            given |= {
+                params[i]
+                for i, arg in enumerate(call.args[: len(params)])
+                if _reads(arg, message_names, "content")
+            }
+            given |= {
+                kw.key
+                for kw in call.kwargs
+                if kw.key in params and _reads(kw.value, message_names, "content")
+            }
+        for loop in macro.find_all(n.For):
+            macro_loops.add(id(loop))
+            if given and _reads(loop.iter, given):
+                return "openai"
     content_loops = (loop for loop in _loops_over(tree, {"content"}) if id(loop) not in macro_loops)
     return "openai" if any(True for _ in content_loops) else "string"
 

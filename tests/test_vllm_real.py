@@ -428,3 +428,61 @@ def test_a_router_whose_block_size_is_not_vllms_says_what_to_change(
     assert main(["router", "route", "--router", router.url, words("mismatch")]) == 0
     out = capsys.readouterr().out
     assert "no cache credit: vLLM hashes blocks of 32 tokens, the router 16" in out
+
+
+CONTENT_FORMAT_TEMPLATES = {
+    "tools": (DATA / "tool_chat_template.jinja").read_text(),
+    "looping": LOOPING_TEMPLATE,
+    "plain": "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|eot|>{% endfor %}",
+    "alias and slice": (
+        "{% set rest = messages[1:] %}{% for m in rest %}"
+        "{% for p in m['content'] | list %}{{ p.text }}{% endfor %}{% endfor %}"
+    ),
+    "macro given the content": (
+        "{% macro visible(content) %}{% for part in content %}{{ part.text }}{% endfor %}"
+        "{% endmacro %}{% for m in messages %}{{ visible(m.content) }}{% endfor %}"
+    ),
+    "macro given it by keyword": (
+        "{% macro show(c, sep) %}{% for part in c %}{{ part.text }}{{ sep }}{% endfor %}"
+        "{% endmacro %}{% for m in messages %}{{ show(sep='|', c=m.content) }}{% endfor %}"
+    ),
+    "macro given something else": (
+        "{% macro each(items) %}{% for x in items %}{{ x }}{% endfor %}{% endmacro %}"
+        "{% for m in messages %}{{ m.content }}{{ each(tools) }}{% endfor %}"
+    ),
+    "a loop over a name content": (
+        "{% for m in messages %}{% set content = m.content %}"
+        "{% for part in content %}{{ part }}{% endfor %}{% endfor %}"
+    ),
+}
+
+
+def test_the_content_format_is_read_from_a_template_as_vllm_reads_it() -> None:
+    """kvpool's reading of a template's content format (a list of parts, or a string)
+    against vLLM's own detection, run in vLLM's environment, template by template."""
+    import subprocess
+
+    from vllm_real import VLLM_PYTHON
+
+    from kvpool.tokenization import chat_content_format
+
+    script = (
+        "import json, sys\n"
+        "from vllm.renderers.hf import _detect_content_format\n"
+        "templates = json.load(sys.stdin)\n"
+        "print(json.dumps({k: _detect_content_format(t, default='string')"
+        " for k, t in templates.items()}))\n"
+    )
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script],
+        input=json.dumps(CONTENT_FORMAT_TEMPLATES),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent / "data",  # not the repository's root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vllms = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = {k: chat_content_format(t) for k, t in CONTENT_FORMAT_TEMPLATES.items()}
+    assert ours == vllms
+    assert set(vllms.values()) == {"string", "openai"}  # both kinds are in the set
