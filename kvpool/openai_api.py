@@ -35,6 +35,7 @@ __all__ = [
     "Tool",
     "WorkerInfo",
     "exception_handlers",
+    "model_not_found",
     "not_in_kvpool",
     "parse_request",
     "vllm_error",
@@ -128,6 +129,18 @@ def vllm_error(message: str, param: str | None, value: Any = None) -> OpenAIErro
     if value is not None:
         message += f" (parameter={param}, value={value})"
     return OpenAIError(400, message, type="BadRequestError", code=400, param=param)
+
+
+def model_not_found(model: str, served: list[str]) -> OpenAIError:
+    """An unknown model, answered word for word as vLLM 0.32 answers it (404,
+    ``NotFoundError``), so that a client sees one refusal whoever gives it."""
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+        type="NotFoundError",
+        code=404,
+        param="model",
+    )
 
 
 def not_in_kvpool(param: str, what: str, vllm: str) -> OpenAIError:

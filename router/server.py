@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
 from kvpool.httpguard import BodyError, raise_open_files_limit, read_body
-from kvpool.openai_api import OpenAIError, exception_handlers
+from kvpool.openai_api import OpenAIError, exception_handlers, model_not_found
 from kvpool.stall import LoopClock
 from kvpool.tokenization import (
     PrefixTokenCache,
@@ -571,13 +571,9 @@ class Router(AdminEndpoints):
             return
         served = self._pool().models() | {self.model_name}
         if model not in served:
-            raise OpenAIError(
-                404,
-                f"the model {model!r} does not exist here; served: {sorted(served)}",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
+            # vLLM names its base models (not its adapters) as the valid aliases
+            adapters = self._pool().adapters()
+            raise model_not_found(model, sorted(m for m in served if m not in adapters))
 
     async def _parse(
         self, request: Request, body: bytes, kind: Kind, *, check_model: bool

@@ -155,7 +155,11 @@ def test_bad_request_gets_the_openai_error_the_worker_would_give(stack):
     assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
-    assert missing.value.body["code"] == "model_not_found"
+    # as vLLM refuses it, word for word
+    assert missing.value.body["message"] == (
+        f"The model `no-such-model` does not exist. Valid aliases: {model}."
+    )
+    assert (missing.value.body["type"], missing.value.body["code"]) == ("NotFoundError", 404)
     # A worker's own refusal (a prompt too long for the model) comes back as it is.
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=model, prompt=[1] * 2000, max_tokens=2)

@@ -206,7 +206,7 @@ def test_bad_input_and_unknown_paths_get_openai_errors(
     resp = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert resp.status_code == 400 and error_of(resp)["type"] == "invalid_request_error"
     resp = httpx.post(url, json=body(llama_dir, model="no-such-model"))
-    assert resp.status_code == 404 and error_of(resp)["code"] == "model_not_found"
+    assert resp.status_code == 404 and error_of(resp)["code"] == 404
     resp = httpx.get(url)
     assert resp.status_code == 405 and error_of(resp)
     assert router.route(body(llama_dir))["worker"] == "a"  # the admin surface, via FastAPI

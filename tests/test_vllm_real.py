@@ -351,6 +351,18 @@ def test_every_corpus_body_gets_vllms_own_answer_through_the_router(
     a = vllm[0]
     router = router_for([a], worker=[a.spec("a")])
     corpus = json.loads((DATA / "vllm_requests.json").read_text())
+    corpus += [  # refusals the router gives itself, in vLLM's words
+        {
+            "name": "unknown_model",
+            "endpoint": "/v1/completions",
+            "body": {"model": "no-such-model", "prompt": "hello", "max_tokens": 2},
+        },
+        {
+            "name": "chat_unknown_model",
+            "endpoint": "/v1/chat/completions",
+            "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        },
+    ]
     different = {}
     for item in corpus:
         body = json.loads(json.dumps(item["body"]).replace('"MODEL"', '"tiny"'))

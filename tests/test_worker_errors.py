@@ -80,7 +80,7 @@ class Bad:
     path: str
     body: dict[str, Any] | bytes | list[bytes] | None
     status: int = 400
-    code: str | EllipsisType | None = ...
+    code: str | int | EllipsisType | None = ...
     param: str | EllipsisType | None = ...
     names: tuple[str, ...] = ()
     method: str = "POST"
@@ -104,9 +104,9 @@ BAD = [
             "/v1/completions",
             completion(model="no-such-model"),
             404,
-            "model_not_found",
+            404,  # vLLM's shape: the status as the code, NotFoundError as the type
             "model",
-            ("no-such-model",),
+            ("The model `no-such-model` does not exist. Valid aliases: ",),
         ),
         id="unknown-model",
     ),
@@ -115,9 +115,9 @@ BAD = [
             "/v1/chat/completions",
             {"model": "no-such-model", "messages": CHAT},
             404,
-            "model_not_found",
+            404,  # vLLM's shape: the status as the code, NotFoundError as the type
             "model",
-            ("no-such-model",),
+            ("The model `no-such-model` does not exist. Valid aliases: ",),
         ),
         id="chat-unknown-model",
     ),

@@ -50,6 +50,7 @@ from kvpool.openai_api import (
     TokenizeRequest,
     WorkerInfo,
     exception_handlers,
+    model_not_found,
     parse_request,
     vllm_error,
 )
@@ -350,13 +351,7 @@ class WorkerServer(HandOffEndpoints, Responses):
     def _check_model(self, model: str | None) -> None:
         # The model path as given also names it (vLLM's default served name).
         if model is not None and model not in (self.model_name, self.settings.model):
-            raise OpenAIError(
-                404,
-                f"the model {model!r} does not exist here; this worker serves {self.model_name!r}",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
+            raise model_not_found(model, [self.model_name])
 
     # -- small endpoints -----------------------------------------------------------------
     async def health(self, request: Request) -> JSONResponse:
