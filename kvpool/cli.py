@@ -131,8 +131,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if not pools:
             print(f"{path}: no {API_KIND} (kvpool.io) in it", file=sys.stderr)
             failed += 1
-        for name, _ in pools:
-            print(f"{path}: InferencePool {name}: valid")
+        for name, spec in pools:
+            # the engine and block size the operator will give it, chosen where unset
+            print(
+                f"{path}: InferencePool {name}: valid (engine {spec.engine_type}, "
+                f"block size {spec.block_size})"
+            )
     return 1 if failed else 0
 
 

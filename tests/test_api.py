@@ -1050,8 +1050,33 @@ def check(tmp_path: Path, text: str, capsys: Any) -> tuple[int, str, str]:
 def test_check_accepts_a_valid_pool_and_skips_other_kinds(tmp_path: Path, capsys: Any) -> None:
     code, out, err = check(tmp_path, f"{CONFIG_MAP_YAML}---\n{POOL_YAML}", capsys)
     assert code == 0, err
-    assert out.splitlines() == [f"{tmp_path / 'pool.yaml'}: InferencePool tiny: valid"]
+    assert out.splitlines() == [
+        f"{tmp_path / 'pool.yaml'}: InferencePool tiny: valid (engine kvpool, block size 16)"
+    ]
     assert err == ""
+
+
+@pytest.mark.parametrize(
+    ("engine", "resources", "says"),
+    [
+        ("", "{limits: {nvidia.com/gpu: 1}}", "engine vllm, block size 16"),
+        ("engine: {type: vllm}\n  ", "{limits: {cpu: 4}}", "engine vllm, block size 32"),
+        ("engine: {type: kvpool, blockSize: 64}\n  ", "{limits: {nvidia.com/gpu: 1}}",
+         "engine kvpool, block size 64"),
+    ],
+    ids=["gpus, no engine named", "vllm without gpus", "named"],
+)  # fmt: skip
+def test_check_says_which_engine_and_block_size_the_operator_will_use(
+    tmp_path: Path, capsys: Any, engine: str, resources: str, says: str
+) -> None:
+    pool = (
+        "apiVersion: kvpool.io/v1alpha1\nkind: InferencePool\nmetadata: {name: p}\n"
+        "spec:\n  model: {name: m, source: {pvc: {claimName: w}}}\n"
+        f"  {engine}decode: {{resources: {resources}}}\n"
+    )
+    code, out, err = check(tmp_path, pool, capsys)
+    assert code == 0, err
+    assert out.splitlines() == [f"{tmp_path / 'pool.yaml'}: InferencePool p: valid ({says})"]
 
 
 def test_check_skips_the_gateway_apis_inferencepool(tmp_path: Path, capsys: Any) -> None:
@@ -1060,7 +1085,9 @@ def test_check_skips_the_gateway_apis_inferencepool(tmp_path: Path, capsys: Any)
     code, out, _ = check(tmp_path, f"{other}---\n{POOL_YAML}", capsys)
     # (only ours is named: the file's path may hold "gw", as pytest-xdist's workers' do)
     assert code == 0
-    assert out.splitlines() == [f"{tmp_path / 'pool.yaml'}: InferencePool tiny: valid"]
+    assert out.splitlines() == [
+        f"{tmp_path / 'pool.yaml'}: InferencePool tiny: valid (engine kvpool, block size 16)"
+    ]
 
 
 def test_check_refuses_an_invalid_pool_with_the_precise_problem(
