@@ -77,18 +77,12 @@ BLOCK = 32
 
 
 def cut(sessions: list[routing.Session], words: routing.Words, limit: int) -> list[Any]:
-    """Each prompt's last ``limit`` words at most: the tiny model's context is 4,096."""
+    """Each prompt's first ``limit`` tokens at most: the tiny model's context is 4,096."""
     from dataclasses import replace
 
     def short(p: str) -> str:
-        n = words.count(p)
-        return (
-            p
-            if n <= limit
-            else words.tokenizer.decode(
-                words.tokenizer.encode(p, add_special_tokens=False).ids[:limit]
-            )
-        )
+        ids = words.tokenizer.encode(p, add_special_tokens=False).ids
+        return p if len(ids) <= limit else words.tokenizer.decode(ids[:limit])
 
     return [replace(s, prompts=tuple(short(p) for p in s.prompts)) for s in sessions]
 

@@ -48,10 +48,10 @@ def _cmd_route(args: argparse.Namespace) -> int:
         print(resp.text, file=sys.stderr)
         return 1
     decision = resp.json()
-    workers = _workers(url)
     if args.json:
         print(json.dumps(decision, indent=2))
         return 0
+    workers = _workers(url)
     print(
         f"-> {decision['worker']} ({decision['reason']}, policy {decision['policy']}): "
         f"{decision['num_tokens']} tokens, {decision['cached_tokens']} cached"

@@ -791,14 +791,9 @@ _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 def info_labels(text: str, name: str) -> dict[str, str] | None:
     """The labels of the first sample of an info gauge (``name{a="1",...} 1``) in
     Prometheus text, or None where there is none."""
-    start = 0
-    while (i := text.find(name + "{", start)) >= 0:
-        start = i + len(name)
-        if i and text[i - 1] != "\n":
-            continue
-        end = text.find("\n", i)
-        line = text[i + len(name) : end if end >= 0 else len(text)]
-        return dict(_LABEL.findall(line[: line.rfind("}") + 1]))
+    for rest in _sample_lines(text, name):
+        if rest.startswith("{"):
+            return dict(_LABEL.findall(rest[: rest.rfind("}") + 1]))
     return None
 
 
@@ -821,16 +816,22 @@ def parse_load(text: str) -> dict[str, float]:
     return out
 
 
-def _sample_values(text: str, name: str) -> Iterator[float]:
-    """The values of the samples of one series in Prometheus text: lines that begin with
-    ``name``, then labels in braces or a space (not a longer name, not a comment)."""
+def _sample_lines(text: str, name: str) -> Iterator[str]:
+    """What follows ``name`` on each line of Prometheus text that begins with it (its
+    labels and value, or a longer name's rest: the caller tells)."""
     n, start = len(name), 0
     while (i := text.find(name, start)) >= 0:
         start = i + n
         if i and text[i - 1] != "\n":
             continue  # within a line: a comment, or a name that ends with this one
         end = text.find("\n", i)
-        rest = text[i + n : end if end >= 0 else len(text)]
+        yield text[i + n : end if end >= 0 else len(text)]
+
+
+def _sample_values(text: str, name: str) -> Iterator[float]:
+    """The values of the samples of one series in Prometheus text: lines that begin with
+    ``name``, then labels in braces or a space (not a longer name, not a comment)."""
+    for rest in _sample_lines(text, name):
         if rest.startswith("{"):
             rest = rest[rest.rfind("}") + 1 :] if "}" in rest else ""
         elif not rest.startswith((" ", "\t")):
