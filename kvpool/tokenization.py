@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
@@ -24,9 +25,11 @@ __all__ = [
     "PromptTooLong",
     "TokenizerError",
     "chat_content_format",
+    "check_text_length",
     "encode_prompt",
     "encode_within",
     "load_tokenizer",
+    "max_chars_per_token",
     "render_chat",
     "render_chat_text",
 ]
@@ -70,22 +73,65 @@ def encode_prompt(
 
 
 class PromptTooLong(ValueError):
-    """A prompt has more tokens than the model's context: found, for a long text, from a
-    beginning of it, without tokenizing the rest."""
+    """A prompt over the model's context, refused in vLLM 0.32's words (``param`` and
+    ``value`` as vLLM names them): by its characters, when a text has more than the
+    context's tokens times the tokenizer's longest token (``input_text``), or by its tokens
+    (``input_tokens``). vLLM tokenizes a text only to one token past the context, so a text
+    over it "contains at least" that many; token ids are counted exactly."""
 
-    def __init__(self, limit: int, counted: int, chars: int | None, total_chars: int) -> None:
-        self.limit, self.counted, self.chars = limit, counted, chars
-        if chars is None or chars >= total_chars:
-            has = f"has {counted:,} tokens"
-        else:
-            has = (
-                f"has more than {limit:,} tokens ({counted:,} in its first {chars:,} of "
-                f"{total_chars:,} characters)"
-            )
-        super().__init__(
-            f"This model's maximum context length is {limit:,} tokens. However, the prompt "
-            f"{has}. Please reduce the length of the prompt."
+    def __init__(self, message: str, param: str, value: int) -> None:
+        self.param, self.value = param, value
+        super().__init__(message)
+
+    @classmethod
+    def tokens(cls, limit: int, count: int, *, text: bool) -> PromptTooLong:
+        if text:
+            count = limit + 1  # vLLM counts a text to its context + 1
+        return cls(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {'at least ' if text else ''}{count} input tokens, which exceeds "
+            f"this limit even without any output tokens. Please reduce the length of the "
+            f"input prompt.",
+            "input_tokens",
+            count,
         )
+
+    @classmethod
+    def chars(cls, limit: int, chars: int, bound: int) -> PromptTooLong:
+        return cls(
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {chars} characters (more than {bound} characters, which is the upper "
+            f"bound for {limit} input tokens). Please reduce the length of the input prompt.",
+            "input_text",
+            chars,
+        )
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The characters of the tokenizer's longest vocabulary entry, as vLLM measures it to
+    bound a text's length before tokenizing it; None for a tokenizer with no vocabulary."""
+    try:
+        return _MAX_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    most = max(map(len, get_vocab()), default=None) if get_vocab is not None else None
+    try:
+        _MAX_CHARS[tokenizer] = most
+    except TypeError:  # not weakly referable: measured each time
+        pass
+    return most
+
+
+_MAX_CHARS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def check_text_length(tokenizer: Any, text: str, limit: int) -> None:
+    """Refuse a text longer in characters than ``limit`` tokens of the tokenizer's
+    longest entry could be (vLLM's first check, made before tokenizing)."""
+    most = max_chars_per_token(tokenizer)
+    if most is not None and len(text) > limit * most:
+        raise PromptTooLong.chars(limit, len(text), limit * most)
 
 
 #: a text this many times longer, in characters, than the context is in tokens is counted
@@ -103,9 +149,9 @@ def encode_within(
     add_special_tokens: bool = True,
 ) -> list[int]:
     """:func:`encode_prompt`, raising :class:`PromptTooLong` for a prompt of more than
-    ``limit`` tokens (``None``: no limit). A text longer than ``limit`` times
-    :data:`CHARS_PER_TOKEN_BOUND` characters is tokenized a growing beginning at a time,
-    so the work done to refuse it is bounded by the context, not by the text. The
+    ``limit`` tokens (``None``: no limit), as vLLM refuses it. A text longer than ``limit``
+    times :data:`CHARS_PER_TOKEN_BOUND` characters is tokenized a growing beginning at a
+    time, so the work done to refuse it is bounded by the context, not by the text. The
     beginnings are cut anywhere: the count of a beginning may differ from the text's own
     count of those characters by the one token the cut splits, so a beginning must have
     more than ``limit`` + 1 tokens to refuse the text."""
@@ -113,17 +159,18 @@ def encode_within(
         return encode_prompt(tokenizer, prompt, cache, add_special_tokens=add_special_tokens)
     if not isinstance(prompt, str):
         if len(prompt) > limit:
-            raise PromptTooLong(limit, len(prompt), None, len(prompt))
+            raise PromptTooLong.tokens(limit, len(prompt), text=False)
         return list(prompt)
+    check_text_length(tokenizer, prompt, limit)
     head = limit * CHARS_PER_TOKEN_BOUND
     while len(prompt) > head:
         counted = len(tokenizer.encode(prompt[:head], add_special_tokens=add_special_tokens))
         if counted > limit + 1:
-            raise PromptTooLong(limit, counted, head, len(prompt))
+            raise PromptTooLong.tokens(limit, counted, text=True)
         head *= 4
     ids = encode_prompt(tokenizer, prompt, cache, add_special_tokens=add_special_tokens)
     if len(ids) > limit:
-        raise PromptTooLong(limit, len(ids), None, len(prompt))
+        raise PromptTooLong.tokens(limit, len(ids), text=True)
     return ids
 
 

@@ -35,6 +35,7 @@ from kvpool.api.inferencepool import (
     InferencePoolSpec,
     RoleSpec,
 )
+from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION
 
 Manifest = dict[str, Any]
 
@@ -521,6 +522,18 @@ def _probes(port: str) -> Manifest:
     }
 
 
+def _arg_value(args: list[str], flag: str) -> str | None:
+    """The value an argument list gives ``flag`` (``--flag V`` or ``--flag=V``; the last
+    one, as an argument parser takes it), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
 def _scrape_annotations(port: int) -> dict[str, str]:
     return {
         "prometheus.io/scrape": "true",
@@ -611,6 +624,10 @@ def worker_deployment(
         },
         "spec": pod_spec,
     }
+    slots = _arg_value(container["args"], "--max-num-seqs")
+    if spec.engine_type == "vllm" and slots is not None and slots.isdigit():
+        # vLLM says its slot count nowhere the router can read: the pod says it
+        template["metadata"]["annotations"][MAX_NUM_SEQS_ANNOTATION] = slots
     defaulted = _default_imaged(template)
     if role_spec.pod_template:
         template = merge_template(template, role_spec.pod_template)

@@ -60,7 +60,10 @@ UNJUDGED = -1
 LIKELY_CAUSES = {
     "unseen": (
         "its KV events never name the blocks the router sends it: its hash seed (vLLM's "
-        "PYTHONHASHSEED), block size or hash algorithm differs from the router's"
+        "PYTHONHASHSEED; without it vLLM 0.32 seeds with 'vllm-none-hash'), block size or "
+        "hash algorithm differs from the router's, or it hashes salted and adapter blocks by "
+        "another scheme (vLLM before 0.32 hashed the bare salt and adapter name: "
+        "--extra-keys bare)"
     ),
     "over-predicted": (
         "it serves far fewer cached tokens than the router credits it with: prefix caching "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, get_args
 from urllib.parse import urlsplit
 
+from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION
 from kvpool.openai_api import Role
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class WorkerEndpoint:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     draining: bool = False
+    #: the requests it runs at once (vLLM's ``--max-num-seqs``), where its deployment says:
+    #: vLLM publishes it nowhere, and a kvpool worker says its own
+    max_num_seqs: int | None = None
 
 
 class Discovery(Protocol):
@@ -62,7 +66,7 @@ async def _call(on_change: OnChange, endpoints: list[WorkerEndpoint]) -> None:
 
 # --- static workers -------------------------------------------------------------------------
 
-_SPEC_KEYS = ("role", "events", "replay", "id")
+_SPEC_KEYS = ("role", "events", "replay", "id", "max-num-seqs")
 
 
 def _check_address(spec: str, key: str, value: str, schemes: tuple[str, ...]) -> str:
@@ -85,7 +89,8 @@ def _check_address(spec: str, key: str, value: str, schemes: tuple[str, ...]) ->
 
 
 def parse_static_worker(spec: str) -> WorkerEndpoint:
-    """Parse ``URL[,role=R][,events=tcp://h:p][,replay=tcp://h:p][,id=NAME]`` from the CLI."""
+    """Parse ``URL[,role=R][,events=tcp://h:p][,replay=tcp://h:p][,id=NAME]
+    [,max-num-seqs=N]`` from the CLI."""
     url, *options = [part.strip() for part in spec.split(",")]
     url = _check_address(spec, "URL", url, ("http", "https")).rstrip("/")
     values: dict[str, str] = {}
@@ -107,6 +112,9 @@ def parse_static_worker(spec: str) -> WorkerEndpoint:
         raise ValueError(f"worker spec {spec!r}: replay= needs events=")
     zmq = ("tcp", "ipc")
     events, replay = values.get("events"), values.get("replay")
+    slots = values.get("max-num-seqs")
+    if slots is not None and not (slots.isdigit() and int(slots) >= 1):
+        raise ValueError(f"worker spec {spec!r}: max-num-seqs must be a positive integer")
     return WorkerEndpoint(
         # host:port names the worker in metrics and logs; id= when that is not unique
         id=values.get("id") or urllib.parse.urlsplit(url).netloc,
@@ -114,6 +122,7 @@ def parse_static_worker(spec: str) -> WorkerEndpoint:
         role=role,  # type: ignore[arg-type]  # checked against ROLES above
         kv_events_endpoint=_check_address(spec, "events", events, zmq) if events else None,
         kv_events_replay_endpoint=_check_address(spec, "replay", replay, zmq) if replay else None,
+        max_num_seqs=int(slots) if slots is not None else None,
     )
 
 
@@ -193,12 +202,19 @@ def endpoint_from_pod(
             return None
         port = int(ports[0]["containerPort"])
     host = _host(ip)
+    slots = (meta.get("annotations") or {}).get(MAX_NUM_SEQS_ANNOTATION)
+    if slots is not None and not (isinstance(slots, str) and slots.isdigit() and int(slots)):
+        logger.warning(
+            "pod %s: annotation %s=%r is not a count; ignored", name, MAX_NUM_SEQS_ANNOTATION, slots
+        )
+        slots = None
     return WorkerEndpoint(
         id=name,
         url=f"http://{host}:{port}",
         role=role,
         kv_events_endpoint=f"tcp://{host}:{events_port}" if events_port else None,
         kv_events_replay_endpoint=f"tcp://{host}:{replay_port}" if replay_port else None,
+        max_num_seqs=int(slots) if slots is not None else None,
     )
 
 

@@ -23,7 +23,10 @@ prefix on its holder until the holder is clearly slower (for a prompt 90% cached
 predicted TTFT is 1.8 times the best); then the prefix spills to a second worker, which
 caches it too. The decode-load guard keeps any one worker's in-flight requests within 1.5x
 of the pool's mean (+4), a bound that grows with the share of the prompt the worker holds
-(to about twice it for a prompt held whole).
+(to about twice it for a prompt held whole). And a worker whose batch is full (as many
+requests in flight as its max_num_seqs) is passed over while another has a place: a
+request sent there would wait for a slot whatever it holds (a first burst on a prefix
+held by one vLLM worker overfilled it before this).
 
 Session affinity, when the router is configured with a weight for it, adds a third score:
 1 for the worker the request's conversation was last sent to (``RouteRequest.affinity``,
@@ -151,7 +154,9 @@ class RouteRequest:
     #: False: the worker's prompt begins with more than the request carries (a Responses
     #: request continuing a stored response: vLLM puts that conversation first)
     whole_prompt: bool = True
-    # The last token is always computed, so a fully cached prompt still prefills one.
+    # The last token is always computed, so a fully cached prompt still prefills one; and
+    # a worker looks up whole blocks of the tokens before it (vLLM's and kvpool's
+    # schedulers alike): a prompt of whole blocks finds at most all but its last block.
     _most_cached: int = field(init=False, repr=False, compare=False)
     # Within one :meth:`Policy.decide`: each worker's predicted TTFT, computed once for its
     # explanation row and read by the scorers (empty outside a decision)
@@ -159,7 +164,7 @@ class RouteRequest:
 
     def __post_init__(self) -> None:
         first = self.batch.first_tokens if self.batch is not None else self.num_tokens
-        self._most_cached = max(first - 1, 0)
+        self._most_cached = most_cached(first, self.block_size)
         self._ttft = {}
 
     @property
@@ -180,6 +185,14 @@ class RouteRequest:
         if batch is not None:
             hit += batch.shared + batch.held.get(worker.id, 0)
         return hit
+
+
+def most_cached(num_tokens: int, block_size: int) -> int:
+    """The most of a prompt a worker serves from its prefix cache: whole blocks of the
+    tokens before its last, which is always computed (vLLM's scheduler and kvpool's look
+    up no further)."""
+    before_last = max(num_tokens - 1, 0)
+    return before_last - before_last % block_size
 
 
 @dataclass(slots=True)
@@ -311,11 +324,26 @@ def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig
     return out
 
 
+def _batch(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
+    """Drop a worker whose batch is full (as many requests in flight as its max_num_seqs,
+    announced or learned: :func:`_batch_full`) while another has a free place: a request
+    sent there waits in its queue for a running one to finish, however much of the prompt
+    it holds. Never drops every worker; when all are full the pool is saturated and the
+    request waits in the router (:func:`saturation`)."""
+    out = {
+        w.id: f"batch full ({w.in_flight} in flight of {w.batch_capacity})"
+        for w in workers
+        if _batch_full(w.in_flight, w.batch_capacity, w.batch_announced)
+    }
+    return {} if len(out) == len(workers) else out
+
+
 FILTERS: dict[str, Filter] = {
     "healthy": _healthy,
     "role": _role,
     "model": _model,
     "decode-load": _decode_load,
+    "batch-full": _batch,
 }
 
 
@@ -454,7 +482,7 @@ REASONS = ("prefix", "spill", "affinity", *SCORERS, "tie", "single", "no_worker"
 @dataclass(frozen=True)
 class PolicyConfig:
     name: str = "kvpool"
-    filters: tuple[str, ...] = ("healthy", "role", "model", "decode-load")
+    filters: tuple[str, ...] = ("healthy", "role", "model", "decode-load", "batch-full")
     scorers: tuple[tuple[str, float], ...] = (
         ("ttft", 1.0),
         ("prefix", 0.5),
@@ -671,9 +699,11 @@ def saturation(
     all is not saturation (it gets its 503 at once)."""
     why = []
     for c in decision.candidates:
-        if c.filtered is not None and not c.filtered.startswith("decode-load"):
+        if c.filtered is not None and not c.filtered.startswith(("decode-load", "batch-full")):
             continue  # not eligible
-        if c.filtered is not None or (c.kv_usage is not None and c.kv_usage >= guard_kv_usage):
+        if c.filtered is not None and c.filtered.startswith("batch-full"):
+            why.append("ttft")
+        elif c.filtered is not None or (c.kv_usage is not None and c.kv_usage >= guard_kv_usage):
             why.append("guard")
         elif _full(c, bound_s):
             why.append("ttft")
@@ -698,10 +728,15 @@ def _full(c: Candidate, bound_s: float) -> bool:
     is how a larger batch, when it can run one, is seen."""
     if c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s:
         return True
-    if c.batch_capacity is not None:
-        slack = 0 if c.batch_announced else max(1, c.batch_capacity // 8)
-        return c.in_flight >= c.batch_capacity + slack
-    return False
+    return _batch_full(c.in_flight, c.batch_capacity, c.batch_announced)
+
+
+def _batch_full(in_flight: int, capacity: int | None, announced: bool) -> bool:
+    """Whether a worker's batch has no place for one more request (see :func:`_full`)."""
+    if capacity is None:
+        return False
+    slack = 0 if announced else max(1, capacity // 8)
+    return in_flight >= capacity + slack
 
 
 # -- prefill/decode split ----------------------------------------------------------------
@@ -713,7 +748,7 @@ PD_REASONS = (
     "mode_aggregated",  # Aggregated: never split
     "below_threshold",  # Auto: few enough uncached tokens for the decode worker to compute
     "no_blocks_to_move",  # no full prompt block is missing where it would be decoded
-    "batch",  # several prompts in one request: the hand-off carries one
+    "batch",  # several prompts or choices (n) in one request: the hand-off carries one
     "prompt_logprobs",  # its prompt's logprobs are asked for: computed where it is answered
     "no_prefill_worker",  # no prefill worker can take it now: served whole
     "no_worker",  # no worker at all

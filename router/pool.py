@@ -112,11 +112,12 @@ class WorkerState(WorkerLoad):
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
-    #: how many requests it takes at once: a kvpool worker's max_num_seqs from its info, or
-    #: the most it was seen running while others waited (vLLM's max_num_seqs, or what its
-    #: KV cache holds); None until then
+    #: how many requests it takes at once: a kvpool worker's max_num_seqs from its info, a
+    #: vLLM worker's from its deployment (``max-num-seqs=``, the pod's annotation), or the
+    #: most it was seen running while others waited (vLLM's max_num_seqs, or what its KV
+    #: cache holds); None until then
     batch_capacity: int | None = None
-    batch_announced: bool = False  # batch_capacity is the worker's own max_num_seqs
+    batch_announced: bool = False  # batch_capacity is the worker's max_num_seqs, as told
     scraped_at: float | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     subscriber: EventSubscriber | None = None
@@ -542,8 +543,11 @@ class WorkerPool:
         state.info = info
         if state.agreement is not None:
             state.agreement.restarted()
-        if info is not None and info.max_num_seqs is not None:
-            state.batch_capacity = info.max_num_seqs  # its scheduler's word, before any scrape
+        slots = info.max_num_seqs if info is not None else None
+        # its scheduler's word, or its deployment's (vLLM says it nowhere): before any scrape
+        slots = slots if slots is not None else state.endpoint.max_num_seqs
+        if slots is not None:
+            state.batch_capacity = slots
             state.batch_announced = True
         state.set_models(cards)
         vllm_cache = await self._vllm_cache_config(state) if info is None else None

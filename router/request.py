@@ -35,6 +35,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
 from kvpool.openai_api import OpenAIError
 
 __all__ = [
@@ -88,6 +90,11 @@ class RoutingFields:
     kv_transfer_params: bool = False
     #: Responses API: the stored response this request continues
     previous_response_id: str | None = None
+    #: the output limit the request names, as vLLM names it (a chat's
+    #: ``max_completion_tokens`` before its ``max_tokens``), and its value
+    max_output: tuple[str, int] | None = None
+    #: the choices it asks for (``n``; 1 when not given or not readable)
+    choices: int = 1
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -112,14 +119,42 @@ def _bad(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", code="invalid_value", param=param)
 
 
+#: scalar fields are read as vLLM's OpenAI server (pydantic, lax) reads them: ``"true"``
+#: streams there, ``"5"`` is 5; the body goes on unchanged, so the router must agree
+_LAX = {t: TypeAdapter(t) for t in (bool, int, str)}
+
+
 def _opt(obj: dict[str, Any], name: str, types: type | tuple[type, ...], what: str) -> Any:
     value = obj.get(name)
     if value is None:
         return None
+    lax = _LAX.get(types) if isinstance(types, type) else None
+    if lax is not None:
+        try:
+            return lax.validate_python(value)
+        except ValidationError as exc:
+            raise _validation_error(name, exc) from None
     # bool is an int in Python: a boolean is never a number here
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
         raise _bad(name, f"must be {what} (got {_short(value)})")
     return value
+
+
+def _validation_error(name: str, exc: ValidationError) -> OpenAIError:
+    """A field of the wrong type, refused in the words of vLLM's validation handler (one
+    error: the router reads fields one at a time)."""
+    err = exc.errors(include_url=False)[0]
+    given = err.get("input")
+    if isinstance(given, (list, dict)):  # described, not shown, as vLLM does
+        shown = f"<{type(given).__name__} of {len(given)} items>"
+    else:
+        shown = given if isinstance(given, str) else str(given)
+        if len(shown) > 200:
+            shown = shown[:200] + "...[truncated]"
+    entry = {"type": err["type"], "loc": f"body.{name}", "msg": err["msg"], "input": shown}
+    return OpenAIError(
+        400, f"1 validation error:\n  {entry}", type="Bad Request", code=400, param=f"body.{name}"
+    )
 
 
 def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
@@ -145,6 +180,18 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         kv_transfer_params=obj.get("kv_transfer_params") is not None,
         reads_cache=reads_prefix_cache(obj, kind),
     )
+    names = {"completion": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens")}
+    try:
+        fields.choices = max(_LAX[int].validate_python(obj.get("n") or 1), 1)
+    except ValidationError:
+        pass  # the worker's to refuse
+    for name in names.get(kind, ("max_output_tokens",)):
+        if obj.get(name) is not None:
+            try:  # a bad one is the worker's to refuse
+                fields.max_output = (name, _LAX[int].validate_python(obj[name]))
+            except ValidationError:
+                pass
+            break
     if kind == "completion":
         fields.prompts = _prompts(obj)
         fields.add_special_tokens = _flag(obj, "add_special_tokens", True)

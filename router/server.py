@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
 from kvpool.httpguard import BodyError, raise_open_files_limit, read_body
-from kvpool.openai_api import OpenAIError, exception_handlers, model_not_found
+from kvpool.openai_api import OpenAIError, exception_handlers, model_not_found, vllm_error
 from kvpool.stall import LoopClock
 from kvpool.tokenization import (
     PrefixTokenCache,
@@ -623,7 +623,9 @@ class Router(AdminEndpoints):
             stream=fields.stream,
             num_tokens=prompt.num_tokens,
             keys=prompt.keys,
-            splittable=kind == "chat" or (kind == "completion" and len(fields.prompts) == 1),
+            # the hand-off carries one prompt and one choice
+            splittable=(kind == "chat" or (kind == "completion" and len(fields.prompts) == 1))
+            and fields.choices == 1,
             strip_usage=strip_usage,
             session=session or None,
             credit_note=prompt.note,
@@ -645,6 +647,16 @@ class Router(AdminEndpoints):
         limit = None
         if self.pool is not None and (truncate is None or truncate <= 0):
             limit = self.pool.context_tokens()
+        if limit is not None and fields.max_output is not None:
+            # vLLM refuses this before it reads the prompt: so does the router
+            name, value = fields.max_output
+            if value > limit:
+                raise vllm_error(
+                    f"{name}={value} cannot be greater than max_model_len={limit}. "
+                    f"Please request fewer output tokens.",
+                    name,
+                    value,
+                )
         return await self.prompt_keys.of(fields, adapter, limit, adapter_path)
 
     def _route_request(self, routed: Routed, *, observe: bool = True) -> RouteRequest:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.hashing import BlockHasher
-from kvpool.openai_api import OpenAIError
+from kvpool.openai_api import vllm_error
 from kvpool.tokenization import (
     PrefixTokenCache,
     PromptTooLong,
@@ -37,7 +37,7 @@ from kvpool.tokenization import (
     render_chat_text,
 )
 
-from .policy import BatchCredit
+from .policy import BatchCredit, most_cached
 from .request import MEDIA_SENTINEL, RoutingFields
 
 __all__ = [
@@ -88,11 +88,12 @@ class Batch:
     def credit(self, match: Match, block_size: int) -> BatchCredit:
         """The later prompts' cached tokens: those every worker will have (shared with an
         earlier prompt), and per worker those more that its index entries hold. Each
-        prompt's credit stops one token short of it: vLLM always computes the last."""
+        prompt's credit stops at the whole blocks before its last token, which vLLM always
+        computes (:func:`~.policy.most_cached`)."""
         shared = 0
         held: dict[str, int] = {}
         for p in self.rest:
-            most = max(p.tokens - 1, 0)
+            most = most_cached(p.tokens, block_size)
             own = min(p.shared * block_size, most)
             shared += own
             if p.shared >= len(p.keys):
@@ -154,15 +155,12 @@ class PromptKeys:
         cache = self.cache
         tokenizer = self.tokenizer
         truncate = fields.truncate_prompt_tokens
-        param = "prompt" if fields.kind == "completion" else "messages"
 
         def encode(prompt: str | list[int], special: bool) -> list[int]:
             try:
                 return encode_within(tokenizer, prompt, limit, cache, add_special_tokens=special)
             except PromptTooLong as exc:
-                raise OpenAIError(
-                    400, str(exc), code="context_length_exceeded", param=param
-                ) from None
+                raise vllm_error(str(exc), exc.param, exc.value) from None
 
         def truncated(tokens: list[int]) -> list[int]:
             if truncate is not None and truncate > 0:

@@ -224,6 +224,38 @@ def test_vllm_workers_get_kv_events_prefix_hashing_and_nixl_flags() -> None:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
 
 
+def test_a_vllm_pods_slot_count_is_on_the_pod_for_the_router() -> None:
+    """vLLM publishes its --max-num-seqs nowhere: where the pool's args set it, the pod's
+    annotation says it (each role its own), and the router's discovery reads it, so a first
+    burst fills no worker past its slots."""
+    from kvpool.router.discovery import endpoint_from_pod
+
+    spec = json.loads(json.dumps(SPECS["disaggregated-vllm"]))
+    spec["engine"]["args"] += ["--max-num-seqs", "64"]
+    spec["prefill"]["args"] = ["--max-num-seqs=32"]  # the role's come last: they win
+    children = render("p", NS, validate_pool("p", spec), Images(), PEERS)
+    slots = {}
+    for role in ("prefill", "decode"):
+        template = by_kind(children, "Deployment", f"p-{role}")["spec"]["template"]
+        slots[role] = template["metadata"]["annotations"].get("kvpool.io/max-num-seqs")
+        pod = {
+            "metadata": {"name": f"p-{role}-0", **template["metadata"]},
+            "spec": template["spec"],
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.9",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+        endpoint = endpoint_from_pod(pod, port="http")
+        assert endpoint is not None and endpoint.max_num_seqs == int(slots[role])
+    assert slots == {"prefill": "32", "decode": "64"}
+    # where vLLM's own default stands (it depends on the GPU), the router learns it
+    plain = rendered("disaggregated-vllm")
+    template = by_kind(plain, "Deployment", "disaggregated-vllm-decode")["spec"]["template"]
+    assert "kvpool.io/max-num-seqs" not in template["metadata"]["annotations"]
+
+
 def test_an_aggregated_vllm_pool_has_no_kv_transfer() -> None:
     c = container(by_kind(rendered("aggregated-vllm"), "Deployment", "aggregated-vllm-decode"))
     assert "--kv-transfer-config" not in c["args"]

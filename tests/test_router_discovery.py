@@ -89,12 +89,13 @@ def test_bare_url_is_a_worker_of_both_roles_named_by_its_host_and_port() -> None
 
 def test_spec_options_set_role_event_endpoints_and_id() -> None:
     spec = "http://w1:8000/,role=prefill,events=tcp://w1:5557,replay=tcp://w1:5558,id=w1"
-    assert parse_static_worker(spec) == WorkerEndpoint(
+    assert parse_static_worker(spec + ",max-num-seqs=16") == WorkerEndpoint(
         id="w1",
         url="http://w1:8000",
         role="prefill",
         kv_events_endpoint="tcp://w1:5557",
         kv_events_replay_endpoint="tcp://w1:5558",
+        max_num_seqs=16,  # a vLLM worker's --max-num-seqs, which vLLM publishes nowhere
     )
 
 
@@ -107,7 +108,9 @@ def test_spec_options_set_role_event_endpoints_and_id() -> None:
         ("http://:8000", "URL 'http://:8000': needs a host"),
         ("http://w1:99999", "URL 'http://w1:99999': Port out of range"),
         ("http://w1?x=1", "must not have a query or fragment"),
-        ("http://w1,weight=2", "unknown key 'weight' (known: role, events, replay, id)"),
+        ("http://w1,weight=2", "unknown key 'weight' (known: role, events, replay, id, max-num"),
+        ("http://w1,max-num-seqs=0", "max-num-seqs must be a positive integer"),
+        ("http://w1,max-num-seqs=many", "max-num-seqs must be a positive integer"),
         ("http://w1,role=encode", "role 'encode' is not one of both, prefill, decode"),
         ("http://w1,role=decode,role=both", "duplicate key 'role'"),
         ("http://w1,prefill", "expected key=value, got 'prefill'"),

@@ -163,6 +163,10 @@ def test_bad_request_gets_the_openai_error_the_worker_would_give(stack):
     # A worker's own refusal (a prompt too long for the model) comes back as it is.
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(model=model, prompt=[1] * 2000, max_tokens=2)
-    assert long.value.body["code"] == "context_length_exceeded"
+    assert (long.value.body["type"], long.value.body["param"]) == (
+        "BadRequestError",
+        "input_tokens",
+    )
+    assert "your prompt contains 2000 input tokens" in long.value.body["message"]
     assert router.metric("kvpool_router_requests_total", outcome="client_error") == 3
     assert httpx.get(router.url + "/health", timeout=10).status_code == 200

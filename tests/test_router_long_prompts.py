@@ -1,5 +1,5 @@
 """Long prompts through a router process: a prompt far over the context is refused from its
-beginning, with OpenAI's context error, and what the router keeps of prompts stays within
+beginning, with vLLM's context error, and what the router keeps of prompts stays within
 its configured bound however many huge ones it is sent."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvpool.stack import free_port, wait_healthy
+from kvpool.tokenization import load_tokenizer, max_chars_per_token
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +65,9 @@ def huge_prompt(rng: random.Random, size: int) -> str:
     return " ".join(words)[:size]
 
 
-def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_process) -> None:
+def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(
+    router_process: Any, llama_dir: Path
+) -> None:
     url, proc = router_process
     rng = random.Random(7)
     with httpx.Client(base_url=url, timeout=60) as client:
@@ -81,18 +84,30 @@ def test_huge_prompts_are_refused_and_leave_the_router_within_its_bound(router_p
         bound = TOKEN_CACHE_MIB + IN_FLIGHT_MIB
         growth: list[float] = []
         base = huge_prompt(rng, 3 * 2**20)  # 3 MB: far over the context
+        # vLLM refuses a text longer than the context's tokens of its longest vocabulary
+        # entry in characters before tokenizing it; a shorter one over the context by its
+        # tokens, counted to one past the context
+        chars_bound = context * max_chars_per_token(load_tokenizer(llama_dir))
+        over = huge_prompt(rng, chars_bound // 2)  # a chat's template adds characters
         for i in range(100):
-            prompt = f"Request {i}: {base}"  # each one distinct from its first word
+            text = base if i % 4 < 2 else over
+            prompt = f"Request {i}: {text}"[: len(text)]  # each one distinct from its first word
             if i % 2:
                 body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]}
-                path, param = "/v1/chat/completions", "messages"
+                path = "/v1/chat/completions"
             else:
-                body, path, param = {"prompt": prompt}, "/v1/completions", "prompt"
+                body, path = {"prompt": prompt}, "/v1/completions"
             resp = client.post(path, json={**body, "max_tokens": 1})
             assert resp.status_code == 400, resp.text[:300]
             error = resp.json()["error"]
-            assert error["code"] == "context_length_exceeded" and error["param"] == param
-            assert f"maximum context length is {context:,} tokens" in error["message"]
+            assert (error["type"], error["code"]) == ("BadRequestError", 400)
+            assert f"maximum context length is {context} tokens. However" in error["message"]
+            if text is base:
+                assert error["param"] == "input_text"
+                assert f"more than {chars_bound} characters" in error["message"]
+            else:
+                assert error["param"] == "input_tokens", error
+                assert f"contains at least {context + 1} input tokens" in error["message"]
             grown = rss_mib(proc.pid) - baseline
             assert grown <= bound, f"after {i + 1} prompts the router grew {grown:.0f} MiB"
             growth.append(grown)

@@ -210,6 +210,23 @@ def split(start_worker: Any, start_router: Any) -> tuple[RunningRouter, Any, Any
     return router, whole, p, d
 
 
+def test_a_request_for_several_choices_is_served_whole(split: Any) -> None:
+    """The hand-off carries one prompt and one choice: a request for n=2 above the threshold
+    is not split (its prefill leg would be refused), it is served whole, both choices."""
+    router, _, _, _ = split
+    _, headers, _ = ask(router.url, PROMPT, n=2, temperature=1.0, seed=7)
+    answer = httpx.post(
+        router.url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4, "n": "2", "temperature": 1.0},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 2
+    assert "x-kvpool-prefill-worker" not in headers
+    assert paths(router) == {"disaggregated": 0, "aggregated": 2, "fallback": 0}
+    assert router.metric("kvpool_router_pd_decisions_total", reason="batch") == 2
+
+
 @pytest.mark.parametrize(
     ("chat", "stream"), [(False, False), (False, True), (True, False), (True, True)]
 )

@@ -154,6 +154,16 @@ def test_prefix_scorer_is_the_cached_fraction() -> None:
     assert scores == {"w0": 0.5, "w1": 1.0, "w2": 0.0}
 
 
+def test_a_prompt_of_whole_blocks_is_credited_all_but_its_last_block() -> None:
+    """vLLM and kvpool's engine look up whole blocks of the tokens before the last one (which
+    is always computed): a fully cached prompt of 4 blocks of 16 is served 48 tokens from
+    the cache, not 63 (found against a real vLLM: 352 of a 384-token prompt)."""
+    whole = req(64, w0=4, w1=2)
+    assert whole.cached_tokens(WorkerView(id="w0")) == 48
+    assert whole.cached_tokens(WorkerView(id="w1")) == 32
+    assert req(65, w0=4).cached_tokens(WorkerView(id="w0")) == 64
+
+
 def test_in_flight_scorer_ranks_by_requests_in_flight() -> None:
     ws = [WorkerView("a", in_flight=0), WorkerView("b", in_flight=3), WorkerView("c", in_flight=1)]
     scores = SCORERS["in-flight"](req(), ws)

@@ -170,21 +170,21 @@ def test_a_worker_answering_batches_is_judged_by_its_true_prefill_rate(
 def test_prompts_of_a_batch_are_credited_what_each_finds_cached() -> None:
     """vLLM prefills each prompt of a batch as a request of its own, in turn: a later one
     finds cached the blocks an earlier one of the batch computes (on any worker), and
-    those its worker held before; each stops one token short of its length."""
+    those its worker held before; each is served the whole blocks before its last token."""
     rest = (
-        BatchPrompt(tokens=40, keys=[1, 2, 9], shared=2),  # two blocks of the first's
+        BatchPrompt(tokens=56, keys=[1, 2, 9], shared=2),  # two blocks of the first's
         BatchPrompt(tokens=48, keys=[5, 6, 7], shared=0),  # its own, held on w1 only
-        BatchPrompt(tokens=32, keys=[1, 2], shared=2),  # all of it: capped at 31
+        BatchPrompt(tokens=32, keys=[1, 2], shared=2),  # all of it: its last block computed
     )
     held = {(5, 6, 7): {"w1": (3, None)}, (1, 2, 9): {"w0": (3, None), "w1": (2, None)}}
     credit = Batch(first_tokens=50, rest=rest).credit(lambda keys: held.get(tuple(keys), {}), BS)
-    assert credit.shared == 32 + 0 + 31
-    assert credit.held == {"w0": 39 - 32, "w1": 47}
+    assert credit.shared == 32 + 0 + 16
+    assert credit.held == {"w0": 48 - 32, "w1": 32}
 
-    req = RouteRequest(num_tokens=170, block_size=BS, matched_blocks={"w0": 4}, batch=credit)
+    req = RouteRequest(num_tokens=186, block_size=BS, matched_blocks={"w0": 4}, batch=credit)
     w0, w1 = WorkerView("w0"), WorkerView("w1")
-    assert req.cached_tokens(w0) == 49 + 63 + 7  # its first prompt too, one short of 50
-    assert req.cached_tokens(w1) == 0 + 63 + 47
+    assert req.cached_tokens(w0) == 48 + 48 + 16  # its first prompt too: 3 whole blocks of 50
+    assert req.cached_tokens(w1) == 0 + 48 + 32
     assert not req.judged  # vLLM's usage names one prompt's cached tokens
 
 

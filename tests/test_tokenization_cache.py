@@ -17,6 +17,7 @@ from kvpool.tokenization import (
     PromptTooLong,
     encode_within,
     load_tokenizer,
+    max_chars_per_token,
 )
 
 CORPUS = [
@@ -198,8 +199,13 @@ def test_a_prompt_far_over_the_context_is_refused_from_its_beginning(
     huge = " ".join(CORPUS) * 200  # ~1.6 MB
     with pytest.raises(PromptTooLong) as err:
         encode_within(tokenizer, huge, 512)
-    assert "maximum context length is 512 tokens" in str(err.value)
-    assert f"of {len(huge):,} characters" in str(err.value)
+    # vLLM's words: a text is counted to one token past the context
+    assert str(err.value) == (
+        "This model's maximum context length is 512 tokens. However, your prompt contains "
+        "at least 513 input tokens, which exceeds this limit even without any output "
+        "tokens. Please reduce the length of the input prompt."
+    )
+    assert (err.value.param, err.value.value) == ("input_tokens", 513)
     # about a context's worth of characters was tokenized, not the text
     assert tokenizer.chars <= 512 * CHARS_PER_TOKEN_BOUND
     # a prompt within the context is tokenized whole, exactly
@@ -207,10 +213,10 @@ def test_a_prompt_far_over_the_context_is_refused_from_its_beginning(
     assert encode_within(tokenizer, text, 512) == tokenizer.inner.encode(text)
     # just over: refused with its real count
     over = tokenizer.inner.encode(text)
-    with pytest.raises(PromptTooLong, match=f"has {len(over):,} tokens"):
+    with pytest.raises(PromptTooLong, match=f"contains at least {len(over)} input tokens"):
         encode_within(tokenizer, text, len(over) - 1)
     # token ids are counted, not tokenized
-    with pytest.raises(PromptTooLong):
+    with pytest.raises(PromptTooLong, match="contains 600 input tokens"):  # exactly
         encode_within(tokenizer, list(range(600)), 512)
     assert encode_within(tokenizer, [1, 2, 3], 512) == [1, 2, 3]
 
@@ -227,5 +233,34 @@ def test_a_long_text_of_long_tokens_within_the_context_is_not_refused() -> None:
     text = "=" * 40_000  # 400 tokens, 100 times the context's count in characters
     assert len(text) > 500 * CHARS_PER_TOKEN_BOUND
     assert len(encode_within(_LongTokens(), text, 500)) == 400
-    with pytest.raises(PromptTooLong, match="has 400 tokens"):
+    with pytest.raises(PromptTooLong, match="contains at least 400 input tokens"):
         encode_within(_LongTokens(), text, 399)
+
+
+class _CountingWithVocabulary(_CountingTokenizer):
+    def get_vocab(self) -> dict[str, int]:
+        return self.inner.get_vocab()
+
+
+def test_a_text_longer_than_the_context_could_hold_is_refused_untokenized(
+    tokenizers_by_kind: dict[str, Any],
+) -> None:
+    """vLLM's first check: more characters than the context's tokens of the vocabulary's
+    longest entry, refused before any of it is tokenized, in vLLM's words."""
+    inner = tokenizers_by_kind["tiny (byte-level)"]
+    tokenizer = _CountingWithVocabulary(inner)
+    most = max(len(t) for t in inner.get_vocab())
+    assert max_chars_per_token(tokenizer) == most
+    text = "w" * (64 * most + 1)
+    with pytest.raises(PromptTooLong) as err:
+        encode_within(tokenizer, text, 64)
+    assert str(err.value) == (
+        f"This model's maximum context length is 64 tokens. However, your prompt contains "
+        f"{len(text)} characters (more than {64 * most} characters, which is the upper bound "
+        f"for 64 input tokens). Please reduce the length of the input prompt."
+    )
+    assert (err.value.param, err.value.value) == ("input_text", len(text))
+    assert tokenizer.chars == 0
+    # one character fewer is tokenized, and refused by its tokens
+    with pytest.raises(PromptTooLong, match="contains at least 65 input tokens"):
+        encode_within(tokenizer, text[1:], 64)

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm_real import BLOCK_SIZE, VLLMServer, make_model, missing
+from vllm_real import ADAPTER, BLOCK_SIZE, LORA_RANK, VLLMServer, make_lora, make_model, missing
 
 from conftest import RunningRouter
 
@@ -54,9 +54,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
-    """Two vLLM servers, started side by side."""
+    """Two vLLM servers, started side by side, each serving the tiny model and a LoRA
+    adapter of it."""
     workdir = tmp_path_factory.mktemp("vllm-run")
-    servers = [VLLMServer(model_dir, workdir) for _ in range(2)]
+    adapter = make_lora(workdir / ADAPTER, model_dir)
+    lora = ("--enable-lora", "--max-lora-rank", str(LORA_RANK))
+    lora += ("--lora-modules", f"{ADAPTER}={adapter}")
+    servers = [VLLMServer(model_dir, workdir, extra=lora) for _ in range(2)]
     try:
         for s in servers:
             s.start()
@@ -212,6 +216,16 @@ def parity_cases() -> dict[str, tuple[str, dict[str, Any]]]:
             },
         ),
         "salted-chat": ("/v1/chat/completions", chat("salted-chat", cache_salt="tenant-b")),
+        # vLLM 0.32 hashes an adapter's blocks with ("lora", name, path): the path is the
+        # adapter's root at /v1/models
+        "lora-completion": (
+            "/v1/completions",
+            {"model": ADAPTER, "prompt": words("lora"), "max_tokens": 2, "temperature": 0},
+        ),
+        "lora-salted-chat": (
+            "/v1/chat/completions",
+            chat("lora-salted", model=ADAPTER, cache_salt="tenant-c"),
+        ),
     }
 
 
@@ -321,6 +335,32 @@ def test_a_gap_in_a_real_vllms_event_stream_is_filled_by_replay(
     assert stats.resyncs == 0
 
 
+def test_a_first_burst_fills_no_worker_past_its_slots(
+    vllm: list[VLLMServer], router_for: Callable[..., RunningRouter]
+) -> None:
+    """A burst of requests for one worker's prefix, before any scrape has shown a queue:
+    the router knows vLLM's --max-num-seqs from the deployment, so the holder gets at most
+    that many and the rest go where a slot is free, not into the holder's queue."""
+    router = router_for(vllm)
+    a = vllm[0]
+    shared = words("burst", 200)
+    assert a.post(
+        "/v1/completions", {"model": "tiny", "prompt": shared, "max_tokens": 1}
+    ).is_success
+    first = {"model": "tiny", "prompt": shared + " question", "max_tokens": 2}
+    assert wait_indexed(router, first, "a") > 0
+    burst = 2 * a.max_num_seqs
+    bodies = [
+        {"model": "tiny", "prompt": f"{shared} question {i}", "max_tokens": 48, "ignore_eos": True}
+        for i in range(burst)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+        answers = list(pool.map(lambda b: post(router, "/v1/completions", b), bodies))
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.is_error]
+    on_a = sum(r.headers["x-kvpool-worker"] == "a" for r in answers)
+    assert a.max_num_seqs // 2 <= on_a <= a.max_num_seqs, f"{on_a} of {burst} went to a"
+
+
 LIMITS = {"max_tokens", "max_completion_tokens", "max_output_tokens"}
 
 
@@ -362,6 +402,28 @@ def test_every_corpus_body_gets_vllms_own_answer_through_the_router(
             "endpoint": "/v1/chat/completions",
             "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
         },
+    ]
+    long_text = "hello world " * 1500  # over the context of 2,048 by its tokens
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    said = [{"role": "user", "content": long_text}]
+    over: list[tuple[str, str, dict[str, Any]]] = [  # the context, and fields read laxly
+        ("ids_over_context", cmpl, {"prompt": [5] * 2100}),
+        ("text_over_context", cmpl, {"prompt": long_text}),
+        ("text_over_by_characters", cmpl, {"prompt": "x" * 40_000}),
+        ("batch_one_over", cmpl, {"prompt": [[5] * 20, [5] * 2100]}),
+        ("ids_filling_context", cmpl, {"prompt": [5] * 2048}),
+        ("over_and_max_tokens_over", cmpl, {"prompt": [5] * 2100, "max_tokens": 3000}),
+        ("chat_over_context", chat, {"messages": said}),
+        ("chat_output_over", chat, {"messages": said, "max_completion_tokens": 4096}),
+        ("stream_as_text", cmpl, {"prompt": "hi", "stream": "true"}),
+        ("stream_not_a_boolean", cmpl, {"prompt": "hi", "stream": "maybe"}),
+        ("truncate_not_an_integer", cmpl, {"prompt": "hi", "truncate_prompt_tokens": "x"}),
+        ("truncate_as_text", cmpl, {"prompt": [5] * 2100, "truncate_prompt_tokens": "100"}),
+        ("model_not_a_string", cmpl, {"model": 5, "prompt": "hi"}),
+    ]
+    corpus += [
+        {"name": name, "endpoint": path, "body": {"model": "MODEL", **body}}
+        for name, path, body in over
     ]
     different = {}
     for item in corpus:

@@ -169,8 +169,8 @@ BAD = [
         Bad(
             "/v1/completions",
             completion(min_tokens=10, max_tokens=5),
-            param="min_tokens",
-            names=("min_tokens", "max_tokens"),
+            param=None,  # as vLLM 0.32 names it: no param
+            names=("min_tokens must be less than or equal to max_tokens=5, got 10.",),
         ),
         id="min-tokens-above-max-tokens",
     ),
@@ -201,35 +201,86 @@ BAD = [
         id="prompt-token-id-outside-vocabulary",
     ),
     # -- the context ---------------------------------------------------------------------
+    # vLLM 0.32's words for each (router and worker give the same ones)
     pytest.param(
         Bad(
             "/v1/completions",
             {"prompt": list(range(5, 105))},
-            code="context_length_exceeded",
-            param="prompt",
-            names=("100", str(MAX_MODEL_LEN)),
+            code=400,
+            param="input_tokens",
+            names=(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+                "prompt contains 100 input tokens, which exceeds this limit even without any "
+                "output tokens. Please reduce the length of the input prompt. "
+                "(parameter=input_tokens, value=100)",
+            ),
         ),
         id="prompt-longer-than-context",
     ),
     pytest.param(
         Bad(
+            "/v1/completions",
+            {"prompt": "word " * 200},
+            code=400,
+            param="input_tokens",
+            # vLLM tokenizes a text to one token past the context
+            names=(f"contains at least {MAX_MODEL_LEN + 1} input tokens",),
+        ),
+        id="text-longer-than-context",
+    ),
+    pytest.param(
+        Bad(
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "word " * 200}]},
-            code="context_length_exceeded",
-            param="messages",
-            names=(str(MAX_MODEL_LEN),),
+            code=400,
+            param="input_tokens",
+            names=(f"contains at least {MAX_MODEL_LEN + 1} input tokens",),
         ),
         id="chat-longer-than-context",
     ),
     pytest.param(
         Bad(
             "/v1/completions",
-            {"prompt": list(range(5, 15)), "max_tokens": 60},
-            code="context_length_exceeded",
-            param="max_tokens",
-            names=("max_tokens", "60", str(MAX_MODEL_LEN)),
+            {"prompt": "w" * 1500},  # the body limit here is 2 KiB
+            code=400,
+            param="input_text",
+            names=("contains 1500 characters (more than", "(parameter=input_text, value=1500)"),
         ),
-        id="max-tokens-beyond-remaining-context",
+        id="text-longer-in-characters-than-the-context-could-hold",
+    ),
+    pytest.param(
+        Bad(
+            "/v1/completions",
+            {"prompt": list(range(5, 5 + MAX_MODEL_LEN)), "max_tokens": 4},
+            param="max_tokens",
+            names=("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",),
+        ),
+        id="prompt-filling-the-context",
+    ),
+    pytest.param(
+        Bad(
+            "/v1/completions",
+            {"prompt": list(range(5, 15)), "max_tokens": MAX_MODEL_LEN + 1},
+            param="max_tokens",
+            names=(
+                f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than "
+                f"max_model_len={MAX_MODEL_LEN}. Please request fewer output tokens.",
+            ),
+        ),
+        id="max-tokens-beyond-the-context",
+    ),
+    pytest.param(
+        Bad(
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+                "max_completion_tokens": MAX_MODEL_LEN + 1,
+            },
+            param="max_completion_tokens",
+            names=(f"max_completion_tokens={MAX_MODEL_LEN + 1} cannot be greater",),
+        ),
+        id="max-completion-tokens-beyond-the-context",
     ),
     # -- the body ------------------------------------------------------------------------
     pytest.param(
@@ -349,6 +400,21 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(
     for word in bad.names:
         assert word in error["message"], error
     assert_still_serving(worker.url)
+
+
+def test_max_tokens_beyond_the_room_left_is_cut_to_it_as_vllm_does(
+    worker: RunningWorker,
+) -> None:
+    """vLLM 0.32 does not refuse a request whose prompt and max_tokens together exceed the
+    context: it generates what the context leaves room for, and says it stopped at the
+    length."""
+    prompt = list(range(5, 5 + MAX_MODEL_LEN - 3))
+    body = {"prompt": prompt, "max_tokens": 40, "ignore_eos": True}
+    r = httpx.post(worker.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["usage"]["completion_tokens"] == 3
+    assert answer["choices"][0]["finish_reason"] == "length"
 
 
 def test_overloaded_worker_answers_429_with_retry_after(start_worker: Any) -> None:

@@ -49,6 +49,46 @@ def make_model(model_dir: Path) -> Path:
     return model_dir
 
 
+#: the LoRA adapter the servers load (``--lora-modules``), and its rank
+ADAPTER, LORA_RANK = "tenant-lora", 8
+
+
+def make_lora(adapter_dir: Path, model_dir: Path) -> Path:
+    """A PEFT LoRA adapter of rank :data:`LORA_RANK` on the tiny model's query and value
+    projections, small random weights: what a fine-tuned adapter directory holds."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    outputs = {
+        "q_proj": config["num_attention_heads"] * head_dim,
+        "v_proj": config["num_key_value_heads"] * head_dim,
+    }
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=gen) / 100
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, LORA_RANK, generator=gen) / 100
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
+    peft = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(outputs),
+        "base_model_name_or_path": str(model_dir),
+    }
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(peft))
+    return adapter_dir
+
+
 def _port() -> int:
     from conftest import unique_port
 
@@ -165,8 +205,10 @@ class VLLMServer:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def spec(self, worker_id: str | None = None) -> str:
-        """The router's ``--worker`` for it."""
+        """The router's ``--worker`` for it: where its events are, and its
+        ``--max-num-seqs`` (what the operator's pod annotation says of a vLLM pod)."""
         spec = f"{self.url},events={self.events},replay={self.replay}"
+        spec += f",max-num-seqs={self.max_num_seqs}"
         return spec + (f",id={worker_id}" if worker_id else "")
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:

@@ -59,9 +59,15 @@ from kvpool.signing import (
     constant_time_equal,
     kv_events_credential,
 )
-from kvpool.tokenization import encode_prompt, render_chat_text
+from kvpool.tokenization import (
+    PromptTooLong,
+    check_text_length,
+    encode_prompt,
+    encode_within,
+    render_chat_text,
+)
 
-from .engine import EngineCore, EventSink, PreparedRequest, PromptTooLong
+from .engine import EngineCore, EventSink, PreparedRequest
 from .engine_loop import EngineLoop, TimedOutput
 from .handoff_http import HandOffEndpoints, require_bearer
 from .metrics import RequestTimer, WorkerMetrics
@@ -525,8 +531,11 @@ class WorkerServer(HandOffEndpoints, Responses):
         # vLLM's order: the header, then the body's request_id
         base_id = request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex
         prompt_text = None
+        _check_output_limit(req, engine.max_model_len)
         if isinstance(req, ChatCompletionRequest):
-            ids, text = await asyncio.to_thread(self._render_chat, engine, req)
+            ids, text = await asyncio.to_thread(
+                self._render_chat, engine, req, engine.max_model_len
+            )
             prompts: list[str | list[int]] = [ids]
             prompt_text = text if req.return_prompt_text else None
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -609,7 +618,10 @@ class WorkerServer(HandOffEndpoints, Responses):
         return job
 
     def _render_chat(
-        self, engine: EngineCore, req: ChatCompletionRequest | TokenizeRequest
+        self,
+        engine: EngineCore,
+        req: ChatCompletionRequest | TokenizeRequest,
+        limit: int | None = None,
     ) -> tuple[list[int], str]:
         """A chat's prompt, as token ids and as text, rendered as vLLM renders it: its
         messages, tools (listed even with ``tool_choice: "none"``), documents and template
@@ -630,7 +642,12 @@ class WorkerServer(HandOffEndpoints, Responses):
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
         special = chat.add_special_tokens if chat else False
-        return encode_prompt(tokenizer, text, add_special_tokens=special), text
+        if limit is None or (chat is not None and chat.truncate_prompt_tokens is not None):
+            return encode_prompt(tokenizer, text, add_special_tokens=special), text
+        try:  # the rendered text is refused as vLLM refuses a text over the context
+            return encode_within(tokenizer, text, limit, add_special_tokens=special), text
+        except PromptTooLong as exc:
+            raise vllm_error(str(exc), exc.param, exc.value) from None
 
     def _prompt_text(self, engine: EngineCore, prompt: str | list[int]) -> str:
         """A completion's prompt as ``echo`` puts it first: its text, or its token ids'."""
@@ -692,31 +709,18 @@ class WorkerServer(HandOffEndpoints, Responses):
     ) -> list[PreparedRequest]:
         """One prompt's engine requests: ``n`` of them (choices ``first`` on), each with its
         own seed (the request's plus its place, as vLLM seeds them)."""
+        limit = engine.max_model_len
         try:
+            if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
+                check_text_length(engine.tokenizer, prompt, limit)  # before tokenizing it
             ids = self._prompt_ids(engine, prompt, req)
-            engine.check_prompt_length(len(ids))
+            if len(ids) > limit:
+                raise PromptTooLong.tokens(limit, len(ids), text=isinstance(prompt, str))
         except PromptTooLong as exc:
-            raise OpenAIError(
-                400,
-                str(exc)[:1].upper() + str(exc)[1:],
-                code="context_length_exceeded",
-                param="prompt" if req.__class__ is CompletionRequest else "messages",
-            ) from None
+            raise vllm_error(str(exc), exc.param, exc.value) from None
         except InvalidParam as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
-        room = engine.max_model_len - len(ids)
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise OpenAIError(
-                400,
-                f"This model's maximum context length is "
-                f"{engine.max_model_len} tokens; the prompt has {len(ids)} and "
-                f"max_tokens asks for {max_tokens} more ({len(ids) + max_tokens} "
-                f"in all)",
-                code="context_length_exceeded",
-                param="max_tokens",
-            )
+        max_tokens = _output_room(limit - len(ids), max_tokens, req.min_tokens)
         stop = req.stop if isinstance(req.stop, list) else [] if req.stop is None else [req.stop]
         bad_words = _bad_words(self._tokenizer(engine), req.bad_words) if req.bad_words else []
         prepared = []
@@ -988,3 +992,36 @@ def _reachable(endpoint: str, host: str) -> str:
     for wildcard in ("0.0.0.0", "*", "[::]"):
         endpoint = endpoint.replace(f"//{wildcard}:", f"//{host}:")
     return endpoint
+
+
+def _check_output_limit(req: CompletionRequest | ChatCompletionRequest, limit: int) -> None:
+    """vLLM refuses a request for more output tokens than the whole context, before it
+    reads the prompt, naming the field the request gave (a chat's
+    ``max_completion_tokens`` before its ``max_tokens``)."""
+    name, value = "max_tokens", req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        name, value = "max_completion_tokens", req.max_completion_tokens
+    if value is not None and value > limit:
+        raise vllm_error(
+            f"{name}={value} cannot be greater than max_model_len={limit}. "
+            f"Please request fewer output tokens.",
+            name,
+            value,
+        )
+
+
+def _output_room(room: int, max_tokens: int | None, min_tokens: int) -> int:
+    """The tokens a prompt may generate, as vLLM 0.32 sets them: what it asks for, cut to
+    the room its context leaves (not refused); refused when no token fits, or when fewer
+    fit than ``min_tokens`` asks for."""
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    if max_tokens < 1:
+        raise vllm_error(
+            f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+        )
+    if min_tokens > max_tokens:
+        raise vllm_error(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            None,
+        )
+    return max_tokens

@@ -32,6 +32,9 @@ PROTECTED_LABELS = frozenset({
     "app.kubernetes.io/managed-by",
 })  # fmt: skip
 KVPOOL_PREFIX = "kvpool.io/"  # labels and annotations of kvpool's own (the config hash)
+#: a vLLM worker pod's --max-num-seqs, as its args set it: vLLM publishes it nowhere, and the
+#: router needs it to fill no worker past its slots before a scrape shows a queue
+MAX_NUM_SEQS_ANNOTATION = KVPOOL_PREFIX + "max-num-seqs"
 HOST_NAMESPACES = ("hostNetwork", "hostPID", "hostIPC")
 CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 # Lists of objects in a pod spec and a container: checked to be lists of objects, as the
