@@ -131,6 +131,30 @@ def vllm_error(message: str, param: str | None, value: Any = None) -> OpenAIErro
     return OpenAIError(400, message, type="BadRequestError", code=400, param=param)
 
 
+def output_over_context(name: str, value: int, limit: int) -> OpenAIError:
+    """vLLM 0.32's refusal of a request for more output tokens (``name``: the field the
+    request gave) than the whole context, which it gives before reading the prompt."""
+    return vllm_error(
+        f"{name}={value} cannot be greater than max_model_len={limit}. "
+        f"Please request fewer output tokens.",
+        name,
+        value,
+    )
+
+
+def output_limit(obj: Any, kind: str) -> tuple[str, Any] | None:
+    """The output limit a request names and the field it names it by, as vLLM reads it: a
+    chat's ``max_completion_tokens`` before its ``max_tokens``; a completion's
+    ``max_tokens``; a Responses request's ``max_output_tokens``. ``obj``: the body or the
+    parsed request."""
+    names = {"completion": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens")}
+    for name in names.get(kind, ("max_output_tokens",)):
+        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+        if value is not None:
+            return name, value
+    return None
+
+
 def model_not_found(model: str, served: list[str]) -> OpenAIError:
     """An unknown model, answered word for word as vLLM 0.32 answers it (404,
     ``NotFoundError``), so that a client sees one refusal whoever gives it."""

@@ -77,7 +77,8 @@ class PromptTooLong(ValueError):
     ``value`` as vLLM names them): by its characters, when a text has more than the
     context's tokens times the tokenizer's longest token (``input_text``), or by its tokens
     (``input_tokens``). vLLM tokenizes a text only to one token past the context, so a text
-    over it "contains at least" that many; token ids are counted exactly."""
+    over it "contains at least" that many; token ids are counted exactly (and said "at
+    least" when just one over, as vLLM words it)."""
 
     def __init__(self, message: str, param: str, value: int) -> None:
         self.param, self.value = param, value
@@ -87,9 +88,11 @@ class PromptTooLong(ValueError):
     def tokens(cls, limit: int, count: int, *, text: bool) -> PromptTooLong:
         if text:
             count = limit + 1  # vLLM counts a text to its context + 1
+        # vLLM cannot tell a prompt of exactly that many from a longer one cut there
+        qualifier = "at least " if count == limit + 1 else ""
         return cls(
             f"This model's maximum context length is {limit} tokens. However, your prompt "
-            f"contains {'at least ' if text else ''}{count} input tokens, which exceeds "
+            f"contains {qualifier}{count} input tokens, which exceeds "
             f"this limit even without any output tokens. Please reduce the length of the "
             f"input prompt.",
             "input_tokens",
@@ -299,24 +302,58 @@ def _text_of(parts: Sequence[Any]) -> list[str]:
     ]
 
 
+#: the line Claude Code begins its system prompt with: its ``cch`` value changes on every
+#: request, so vLLM 0.32 drops the line from system text (a prompt that kept it would miss
+#: the prefix cache from there on)
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(parts: Sequence[Any]) -> list[Any]:
+    """System content parts without a leading :data:`BILLING_HEADER` line, as vLLM reads
+    them (a part that is only that line goes)."""
+    out = []
+    for part in parts:
+        text = (
+            part
+            if isinstance(part, str)
+            else part.get("text")
+            if isinstance(part, Mapping) and part.get("type") == "text"
+            else None
+        )
+        if not (isinstance(text, str) and text.startswith(BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
 def vllm_conversation(
-    messages: Sequence[Mapping[str, Any]], template: str | None
+    messages: Sequence[Mapping[str, Any]], template: str | None, content_format: str = "auto"
 ) -> list[dict[str, Any]]:
     """Messages as vLLM 0.32 gives them to ``template``, each rebuilt from the keys vLLM
     keeps: ``role`` and ``content``; an assistant's ``tool_calls`` (an empty list dropped)
     and its reasoning, as both ``reasoning`` and ``reasoning_content`` (the request may name
     either); a tool message's ``tool_call_id``; a string ``name`` or ``task``; a developer
-    message's ``tools``. In the "string" content format a message's text parts are joined
+    message's ``tools``; a system message's text without Claude Code's billing-header
+    line. The content format is ``content_format`` (a vLLM server's
+    ``--chat-template-content-format``), or, for ``auto``, the template's. In the "string"
+    content format a message's text parts are joined
     with a newline (empty ones left out) and no content is ``""``; in the "openai" format
     content is a list of text parts (a string becomes one), except a tool message's, which
     is joined again. Where the template knows no ``developer`` role, developer messages
     become system messages, all merged into one at the start."""
-    openai = template is not None and chat_content_format(template) == "openai"
+    if content_format == "auto":  # read from the template, as vLLM does by default
+        content_format = chat_content_format(template) if template is not None else "string"
+    openai = content_format == "openai"
     out = []
     for m in messages:
         role = m.get("role")
         content = m.get("content")
         parts = [] if content is None else [content] if isinstance(content, str) else content
+        if role == "system":
+            parts = _without_billing_header(parts)
         msg: dict[str, Any] = {"role": role}
         if openai and role != "tool":
             msg["content"] = [
@@ -377,12 +414,13 @@ def render_chat_text(
     tools: Sequence[Any] | None = None,
     documents: Sequence[Any] | None = None,
     chat_template: str | None = None,
+    content_format: str = "auto",
 ) -> str:
     """A chat rendered through the model's chat template (or ``chat_template``), with the
     messages and arguments vLLM's OpenAI server gives it (:func:`vllm_conversation`).
     Raises :class:`ValueError` naming ``messages`` when the template refuses them."""
     template = _template_text(tokenizer, chat_template, tools)
-    plain = vllm_conversation(messages, template)
+    plain = vllm_conversation(messages, template, content_format)
     extra = dict(chat_template_kwargs or {})
     for name, value in (("tools", tools), ("documents", documents)):
         if value is not None:

@@ -34,6 +34,7 @@ from kvpool.api.inferencepool import (
     FLOW_CONTROL_SETTINGS,
     InferencePoolSpec,
     RoleSpec,
+    arg_value,
 )
 from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION
 
@@ -485,14 +486,25 @@ def _vllm_worker(spec: InferencePoolSpec, role: str, images: Images) -> Manifest
     }
 
 
-def _worker_ports(spec: InferencePoolSpec) -> list[Manifest]:
+def _worker_ports(spec: InferencePoolSpec, role: str) -> list[Manifest]:
     engine = spec.engine
     ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
     if engine.kv_events.enabled:
-        ports += [
-            {"name": "kv-events", "containerPort": engine.kv_events.port, "protocol": "TCP"},
-            {"name": "kv-replay", "containerPort": engine.kv_events.replay_port, "protocol": "TCP"},
-        ]
+        # a data-parallel vLLM's rank r publishes at each port + r
+        for rank in range(spec.data_parallel_size(role)):
+            suffix = f"-dp{rank}" if rank else ""
+            ports += [
+                {
+                    "name": "kv-events" + suffix,
+                    "containerPort": engine.kv_events.port + rank,
+                    "protocol": "TCP",
+                },
+                {
+                    "name": "kv-replay" + suffix,
+                    "containerPort": engine.kv_events.replay_port + rank,
+                    "protocol": "TCP",
+                },
+            ]
     if spec.engine_type == "vllm":
         port = engine.kv_transfer.side_channel_port
         ports.append({"name": "nixl", "containerPort": port, "protocol": "TCP"})
@@ -520,18 +532,6 @@ def _probes(port: str) -> Manifest:
             "failureThreshold": 6,
         },
     }
-
-
-def _arg_value(args: list[str], flag: str) -> str | None:
-    """The value an argument list gives ``flag`` (``--flag V`` or ``--flag=V``; the last
-    one, as an argument parser takes it), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1 :]
-    return value
 
 
 def _scrape_annotations(port: int) -> dict[str, str]:
@@ -585,7 +585,7 @@ def worker_deployment(
     # pool secret: on the container, where the preStop hook's drain reads it too.
     container["env"] += _pool_secret_env(pool, spec, WORKER_POOL_SECRET_ENV)
     container["env"] += _env(engine.env) + _env(role_spec.env)
-    container["ports"] = _worker_ports(spec)
+    container["ports"] = _worker_ports(spec, role)
     if engine.image_pull_policy:
         container["imagePullPolicy"] = engine.image_pull_policy
     container.update(_probes("http"))
@@ -624,8 +624,8 @@ def worker_deployment(
         },
         "spec": pod_spec,
     }
-    slots = _arg_value(container["args"], "--max-num-seqs")
-    if spec.engine_type == "vllm" and slots is not None and slots.isdigit():
+    slots = arg_value(container["args"], "--max-num-seqs")
+    if spec.engine_type == "vllm" and slots is not None and slots.isdecimal() and int(slots):
         # vLLM says its slot count nowhere the router can read: the pod says it
         template["metadata"]["annotations"][MAX_NUM_SEQS_ANNOTATION] = slots
     defaulted = _default_imaged(template)
@@ -676,7 +676,7 @@ def worker_service(pool: str, namespace: str, spec: InferencePoolSpec, role: str
     """A headless Service per role: stable DNS for each worker, for debugging and scraping."""
     ports = [
         {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
-        for p in _worker_ports(spec)
+        for p in _worker_ports(spec, role)
     ]
     return {
         "apiVersion": "v1",
@@ -738,6 +738,15 @@ def router_config(pool: str, spec: InferencePoolSpec) -> dict[str, str]:
     }  # fmt: skip
     if router.processes > 1:  # process i of each pod binds the peer port + i
         data["KVPOOL_ROUTER_PROCESSES"] = str(router.processes)
+    if spec.engine_type == "vllm":
+        # vLLM's own override of how a message's content reaches the template: the router
+        # renders chats as the workers do
+        given = {
+            arg_value(spec.engine_args(r), "--chat-template-content-format") or "auto"
+            for r in spec.roles()
+        }
+        if len(given) == 1 and (fmt := given.pop()) != "auto":  # roles that differ: auto
+            data["KVPOOL_ROUTER_CHAT_TEMPLATE_CONTENT_FORMAT"] = fmt
     if spec.engine_type == "vllm" and engine.kv_events.enabled:
         # vLLM has no /kvpool/info to say where its events are: tell the router.
         data["KVPOOL_ROUTER_WORKER_EVENTS_PORT"] = str(engine.kv_events.port)
@@ -1000,6 +1009,10 @@ def network_policies(
     worker_ingress: list[Manifest] = [{"from": http_from + watchers, "ports": [_tcp(engine.port)]}]
     if engine.kv_events.enabled:
         ports = [_tcp(engine.kv_events.port), _tcp(engine.kv_events.replay_port)]
+        ranks = max(spec.data_parallel_size(role) for role in spec.roles())
+        if ranks > 1:  # a data-parallel vLLM's rank r publishes at each port + r
+            for port in ports:
+                port["endPort"] = port["port"] + ranks - 1
         worker_ingress.append({"from": [copy.deepcopy(routers)], "ports": ports})
     if disaggregated and spec.engine_type == "vllm":
         worker_ingress.append({"from": [copy.deepcopy(workers)]})

@@ -113,7 +113,7 @@ def parse_static_worker(spec: str) -> WorkerEndpoint:
     zmq = ("tcp", "ipc")
     events, replay = values.get("events"), values.get("replay")
     slots = values.get("max-num-seqs")
-    if slots is not None and not (slots.isdigit() and int(slots) >= 1):
+    if slots is not None and not (slots.isdecimal() and int(slots) >= 1):
         raise ValueError(f"worker spec {spec!r}: max-num-seqs must be a positive integer")
     return WorkerEndpoint(
         # host:port names the worker in metrics and logs; id= when that is not unique
@@ -203,7 +203,7 @@ def endpoint_from_pod(
         port = int(ports[0]["containerPort"])
     host = _host(ip)
     slots = (meta.get("annotations") or {}).get(MAX_NUM_SEQS_ANNOTATION)
-    if slots is not None and not (isinstance(slots, str) and slots.isdigit() and int(slots)):
+    if slots is not None and not (isinstance(slots, str) and slots.isdecimal() and int(slots)):
         logger.warning(
             "pod %s: annotation %s=%r is not a count; ignored", name, MAX_NUM_SEQS_ANNOTATION, slots
         )

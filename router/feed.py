@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvpool.kv_events import EventSubscriber, Received
+from kvpool.kv_events import EventSubscriber, RankedSubscriber, Received
 
 from .index import BlockIndex, Hold
 
@@ -111,11 +111,16 @@ class IndexFeed:
         replay: str | None,
         topic: str,
         credential: str | None,
+        ranks: tuple[int, ...] = (0,),
     ) -> None:
+        """Read the worker's events. ``ranks``: a data-parallel vLLM's engines, each of which
+        publishes its own stream (at the events and replay ports plus its rank); one stream
+        otherwise, whose batches name their rank."""
+        before = _ranks(state.subscriber) if state.subscriber is not None else (0,)
         self.stop(state)
-        sub = EventSubscriber(
-            endpoint,
-            replay,
+        for rank in [r for r in before if r and r not in ranks and r in state.dp_ranks]:
+            self._drop_rank(state, rank)  # an engine it no longer runs: its entries go
+        options: dict[str, Any] = dict(
             topic=topic,
             # With a replay buffer, start from its beginning: the blocks it stored before
             # the router came are indexed too.
@@ -123,6 +128,11 @@ class IndexFeed:
             name=state.id,
             credential=credential,
         )
+        sub: EventSubscriber | RankedSubscriber
+        if ranks == (0,):
+            sub = EventSubscriber(endpoint, replay, **options)
+        else:
+            sub = RankedSubscriber(endpoint, replay, ranks, **options)
         state.subscriber = sub
         state.events_task = asyncio.create_task(self._events_loop(state, sub, credential))
 
@@ -143,7 +153,14 @@ class IndexFeed:
                 return True
         return True
 
-    def streaming(self, state: WorkerState, endpoint: str, replay: str | None, topic: str) -> bool:
+    def streaming(
+        self,
+        state: WorkerState,
+        endpoint: str,
+        replay: str | None,
+        topic: str,
+        ranks: tuple[int, ...] = (0,),
+    ) -> bool:
         """Whether the worker's events from this publisher are being read now (a worker
         coming back after failing its checks, whose stream ran on meanwhile)."""
         sub, task = state.subscriber, state.events_task
@@ -152,6 +169,7 @@ class IndexFeed:
             and task is not None
             and not task.done()
             and (sub.endpoint, sub.replay_endpoint, sub.topic) == (endpoint, replay, topic.encode())
+            and _ranks(sub) == ranks
         )
 
     def stop(self, state: WorkerState) -> None:
@@ -163,7 +181,7 @@ class IndexFeed:
             sub.close()
 
     async def _events_loop(
-        self, state: WorkerState, sub: EventSubscriber, credential: str | None
+        self, state: WorkerState, sub: EventSubscriber | RankedSubscriber, credential: str | None
     ) -> None:
         try:
             async for item in sub.start():
@@ -179,6 +197,11 @@ class IndexFeed:
                     # A replayed batch is late by design: its lag says nothing.
                     if self._on_event_lag and item.batch.ts > 0 and not item.replayed:
                         self._on_event_lag(time.time() - item.batch.ts)
+                elif item.rank is not None:  # one rank's stream lost events: its entries go
+                    iid = state.id if item.rank == 0 else state.dp_ranks.get(item.rank)
+                    if iid is not None:
+                        self.index.clear_worker(iid)
+                        self._sweep_later()
                 else:  # events were lost: what the index says of this worker may be wrong
                     self.clear(state)
         except asyncio.CancelledError:
@@ -190,7 +213,8 @@ class IndexFeed:
             # Out of rotation too: a worker that fails its checks keeps its stream.
             if state.subscriber is sub and self.workers.get(state.id) is state:
                 state.subscriber = state.events_task = None  # this task ends here
-                self.start(state, sub.endpoint, sub.replay_endpoint, sub.topic.decode(), credential)
+                topic = sub.topic.decode()
+                self.start(state, sub.endpoint, sub.replay_endpoint, topic, credential, _ranks(sub))
         finally:
             sub.close()
 
@@ -345,3 +369,7 @@ class IndexFeed:
         """A peer's request is done with its chain (``failed``: it failed there)."""
         if hold is not None:
             self.index.release(hold, failed=failed)
+
+
+def _ranks(sub: EventSubscriber | RankedSubscriber) -> tuple[int, ...]:
+    return sub.ranks if isinstance(sub, RankedSubscriber) else (0,)

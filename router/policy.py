@@ -116,7 +116,7 @@ class BatchCredit:
     each as a request of its own), added to what its first prompt is credited. Of the
     router's making (``tokens.Batch.credit``): the index's lookups of each prompt."""
 
-    #: the first prompt's tokens: its own credit stops one short of them
+    #: the first prompt's tokens: its own credit stops at the whole blocks before its last
     first_tokens: int
     #: the later prompts' tokens cached wherever the batch goes: blocks an earlier prompt
     #: of the batch computes before them
@@ -325,15 +325,18 @@ def _decode_load(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig
 
 
 def _batch(req: RouteRequest, workers: list[WorkerView], cfg: PolicyConfig) -> dict[str, str]:
-    """Drop a worker whose batch is full (as many requests in flight as its max_num_seqs,
-    announced or learned: :func:`_batch_full`) while another has a free place: a request
-    sent there waits in its queue for a running one to finish, however much of the prompt
-    it holds. Never drops every worker; when all are full the pool is saturated and the
-    request waits in the router (:func:`saturation`)."""
+    """Drop a worker whose batch is full (as many requests in flight as its announced
+    max_num_seqs: the worker's own word, or its deployment's) while another has a free
+    place: a request sent there waits in its queue for a running one to finish, however
+    much of the prompt it holds. A learned capacity (the most seen running while others
+    waited) is not trusted here: a moment of full KV cache can teach a low one, which a
+    filter would then never let grow; it only counts toward saturation. Never drops every
+    worker; when all are full the pool is saturated and the request waits in the router
+    (:func:`saturation`)."""
     out = {
         w.id: f"batch full ({w.in_flight} in flight of {w.batch_capacity})"
         for w in workers
-        if _batch_full(w.in_flight, w.batch_capacity, w.batch_announced)
+        if w.batch_announced and _batch_full(w.in_flight, w.batch_capacity, True)
     }
     return {} if len(out) == len(workers) else out
 

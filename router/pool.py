@@ -51,7 +51,7 @@ from typing import Any, Literal
 import aiohttp
 
 from kvpool.hashing import HASH_ALGORITHM
-from kvpool.kv_events import EventSubscriber
+from kvpool.kv_events import EventSubscriber, RankedSubscriber
 from kvpool.openai_api import WorkerInfo
 from kvpool.signing import kv_events_credential
 from kvpool.stall import LoopClock
@@ -120,7 +120,10 @@ class WorkerState(WorkerLoad):
     batch_announced: bool = False  # batch_capacity is the worker's max_num_seqs, as told
     scraped_at: float | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    subscriber: EventSubscriber | None = None
+    subscriber: EventSubscriber | RankedSubscriber | None = None
+    #: its engines' data-parallel ranks, each publishing its own KV event stream (a vLLM
+    #: started with --data-parallel-size lists them in vllm:cache_config_info)
+    engines: tuple[int, ...] = (0,)
     events_task: asyncio.Task[None] | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     events_seen: int = 0
@@ -543,15 +546,22 @@ class WorkerPool:
         state.info = info
         if state.agreement is not None:
             state.agreement.restarted()
-        slots = info.max_num_seqs if info is not None else None
-        # its scheduler's word, or its deployment's (vLLM says it nowhere): before any scrape
-        slots = slots if slots is not None else state.endpoint.max_num_seqs
-        if slots is not None:
-            state.batch_capacity = slots
-            state.batch_announced = True
         state.set_models(cards)
         vllm_cache = await self._vllm_cache_config(state) if info is None else None
-        state.mismatch = self._mismatch(info) or self._vllm_mismatch(vllm_cache)
+        if info is not None:
+            state.engines = (0,)
+        elif vllm_cache is not None:  # (not read this time: the ranks it had stay)
+            state.engines = _engines(vllm_cache)
+        slots = info.max_num_seqs if info is not None else None
+        if slots is None and state.endpoint.max_num_seqs is not None:
+            # its deployment's word (vLLM says it nowhere): vLLM's --max-num-seqs is per
+            # engine, and a data-parallel vLLM runs one engine per rank
+            slots = state.endpoint.max_num_seqs * len(state.engines)
+        if slots is not None:  # before any scrape
+            state.batch_capacity = slots
+            state.batch_announced = True
+        first = vllm_cache[0] if vllm_cache else None
+        state.mismatch = self._mismatch(info) or self._vllm_mismatch(first)
         state.compatible = state.mismatch is None
         if state.mismatch:
             log.error(
@@ -563,14 +573,15 @@ class WorkerPool:
         if state.subscriber is not None and (events is None or not state.compatible):
             self.feed.forget(state, remove=False)  # its stream is no longer to be read
         self.feed.track(state)
-        if events is not None and state.compatible and self.feed.streaming(state, *events):
+        ranks = state.engines
+        if events is not None and state.compatible and self.feed.streaming(state, *events, ranks):
             pass  # its stream ran on while it was out: nothing was lost, nothing to replay
         elif events is not None and state.compatible:
             secret = self.config.pool_secret
             # Only a kvpool worker (it has /kvpool/info) checks the credential; a vLLM
             # publisher speaks ZMQ's NULL mechanism and would refuse one.
             credential = kv_events_credential(secret) if secret and state.info else None
-            self.feed.start(state, *events, credential)
+            self.feed.start(state, *events, credential, ranks)
             state.status = "syncing"
             started = time.monotonic()
             if not await self.feed.caught_up(state, self.config.index_sync_timeout_s):
@@ -650,16 +661,17 @@ class WorkerPool:
             )
         return "; ".join(problems) or None
 
-    async def _vllm_cache_config(self, state: WorkerState) -> dict[str, str] | None:
+    async def _vllm_cache_config(self, state: WorkerState) -> list[dict[str, str]] | None:
         """The labels of a vLLM worker's ``vllm:cache_config_info`` (its block size, prefix
-        caching and hash algorithm), or None where its ``/metrics`` has none."""
+        caching and hash algorithm), one set per engine (data-parallel rank), or None where
+        its ``/metrics`` has none."""
         try:
             status, body = await self._get(state.url + "/metrics")
             _raise_for_status("/metrics", status)
         except Exception as exc:  # checked again at the next registration
             log.debug("worker %s: /metrics: %s", state.id, exc)
             return None
-        return info_labels(body.decode(errors="replace"), CACHE_CONFIG_INFO)
+        return info_label_sets(body.decode(errors="replace"), CACHE_CONFIG_INFO) or None
 
     def _vllm_mismatch(self, labels: dict[str, str] | None) -> str | None:
         """What a vLLM worker's cache configuration says the router would get wrong: vLLM
@@ -792,13 +804,21 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def info_labels(text: str, name: str) -> dict[str, str] | None:
-    """The labels of the first sample of an info gauge (``name{a="1",...} 1``) in
-    Prometheus text, or None where there is none."""
-    for rest in _sample_lines(text, name):
-        if rest.startswith("{"):
-            return dict(_LABEL.findall(rest[: rest.rfind("}") + 1]))
-    return None
+def info_label_sets(text: str, name: str) -> list[dict[str, str]]:
+    """The labels of every sample of an info gauge in Prometheus text (a data-parallel
+    vLLM writes one per engine)."""
+    return [
+        dict(_LABEL.findall(rest[: rest.rfind("}") + 1]))
+        for rest in _sample_lines(text, name)
+        if rest.startswith("{")
+    ]
+
+
+def _engines(labels: list[dict[str, str]] | None) -> tuple[int, ...]:
+    """The data-parallel ranks a vLLM's ``vllm:cache_config_info`` names (its ``engine``
+    label); rank 0 alone where it names none."""
+    ranks = {int(e) for series in labels or () if (e := series.get("engine", "")).isdecimal()}
+    return tuple(sorted(ranks)) or (0,)
 
 
 def parse_load(text: str) -> dict[str, float]:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
-from kvpool.openai_api import OpenAIError
+from kvpool.openai_api import OpenAIError, output_limit
 
 __all__ = [
     "MEDIA_SENTINEL",
@@ -73,6 +73,9 @@ class RoutingFields:
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    #: which end ``truncate_prompt_tokens`` keeps: "right" cuts the right (keeps the first
+    #: tokens); vLLM's default for generation is "left" (keeps the last)
+    truncation_side: str | None = None
     #: chat and responses: the messages as the chat template gets them
     messages: list[dict[str, Any]] = field(default_factory=list)
     add_generation_prompt: bool = True
@@ -180,22 +183,21 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         kv_transfer_params=obj.get("kv_transfer_params") is not None,
         reads_cache=reads_prefix_cache(obj, kind),
     )
-    names = {"completion": ("max_tokens",), "chat": ("max_completion_tokens", "max_tokens")}
     try:
         fields.choices = max(_LAX[int].validate_python(obj.get("n") or 1), 1)
     except ValidationError:
         pass  # the worker's to refuse
-    for name in names.get(kind, ("max_output_tokens",)):
-        if obj.get(name) is not None:
-            try:  # a bad one is the worker's to refuse
-                fields.max_output = (name, _LAX[int].validate_python(obj[name]))
-            except ValidationError:
-                pass
-            break
+    named = output_limit(obj, kind)
+    if named is not None:
+        try:  # a bad one is the worker's to refuse
+            fields.max_output = (named[0], _LAX[int].validate_python(named[1]))
+        except ValidationError:
+            pass
     if kind == "completion":
         fields.prompts = _prompts(obj)
         fields.add_special_tokens = _flag(obj, "add_special_tokens", True)
         fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
+        fields.truncation_side = _opt(obj, "truncation_side", str, "a string")
         return fields
     if kind == "chat":
         messages = obj.get("messages")
@@ -205,6 +207,7 @@ def read_fields(obj: dict[str, Any], kind: Kind) -> RoutingFields:
         tools = _tools(_opt(obj, "tools", list, "a list"))
         fields.add_special_tokens = _flag(obj, "add_special_tokens", False)
         fields.truncate_prompt_tokens = _opt(obj, "truncate_prompt_tokens", int, "an integer")
+        fields.truncation_side = _opt(obj, "truncation_side", str, "a string")
     else:
         fields.messages, fields.media, fields.media_parts = _responses_input(obj)
         fields.previous_response_id = _opt(obj, "previous_response_id", str, "a string")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -32,7 +33,12 @@ from starlette.requests import ClientDisconnect
 from kvpool import __version__, tracing
 from kvpool.hashing import BlockHasher
 from kvpool.httpguard import BodyError, raise_open_files_limit, read_body
-from kvpool.openai_api import OpenAIError, exception_handlers, model_not_found, vllm_error
+from kvpool.openai_api import (
+    OpenAIError,
+    exception_handlers,
+    model_not_found,
+    output_over_context,
+)
 from kvpool.stall import LoopClock
 from kvpool.tokenization import (
     PrefixTokenCache,
@@ -141,7 +147,13 @@ class Router(AdminEndpoints):
         media = s.media_part_tokens
         if media is None:  # what the model's config says one image is
             media = media_part_tokens(s.model)
-        self.prompt_keys = PromptKeys(self.tokenizer, self.token_cache, self.hasher, media)
+        self.prompt_keys = PromptKeys(
+            self.tokenizer,
+            self.token_cache,
+            self.hasher,
+            media,
+            content_format=s.chat_template_content_format,
+        )
         if not self.token_cache.enabled:
             log.info("the tokenizer's pieces may cross words: prompts are tokenized whole")
         # vLLM started with --api-key wants it on /v1/* (its model list too)
@@ -644,19 +656,17 @@ class Router(AdminEndpoints):
         keeps the prompt's end (``truncate_prompt_tokens``)."""
         assert self.prompt_keys is not None
         truncate = fields.truncate_prompt_tokens
-        limit = None
-        if self.pool is not None and (truncate is None or truncate <= 0):
-            limit = self.pool.context_tokens()
-        if limit is not None and fields.max_output is not None:
+        context = self.pool.context_tokens() if self.pool is not None else None
+        # With truncate_prompt_tokens vLLM cuts the prompt and checks no length (-1: the
+        # longest prompt that leaves room for one token)
+        limit = context if truncate is None else None
+        if truncate is not None and truncate < 0 and context is not None:
+            fields = dataclasses.replace(fields, truncate_prompt_tokens=context - 1)
+        if context is not None and fields.max_output is not None:
             # vLLM refuses this before it reads the prompt: so does the router
             name, value = fields.max_output
-            if value > limit:
-                raise vllm_error(
-                    f"{name}={value} cannot be greater than max_model_len={limit}. "
-                    f"Please request fewer output tokens.",
-                    name,
-                    value,
-                )
+            if value > context:
+                raise output_over_context(name, value, context)
         return await self.prompt_keys.of(fields, adapter, limit, adapter_path)
 
     def _route_request(self, routed: Routed, *, observe: bool = True) -> RouteRequest:

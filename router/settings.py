@@ -115,6 +115,10 @@ class RouterSettings(BaseModel):
     # load (the router cannot run the model's processor); unset: from the model's config
     # (a fixed-size vision encoder's count), else 576
     media_part_tokens: int | None = Field(None, ge=0)
+    # how vLLM gives a message's content to the chat template: its own
+    # --chat-template-content-format, which the router must follow (auto: read from the
+    # template, as vLLM does)
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
     drain_timeout_s: float = Field(30.0, ge=0)
     # tenants and keys: a YAML or JSON file of tenants (a mounted Secret, see tenants.py),
     # read again when it changes; without it no key is asked for

@@ -129,8 +129,11 @@ class PromptKeys:
         cache: PrefixTokenCache | None,
         hasher: BlockHasher,
         media_tokens: int = DEFAULT_MEDIA_PART_TOKENS,
+        content_format: str = "auto",
     ):
         self.tokenizer = tokenizer
+        #: the workers' --chat-template-content-format (auto: the template says)
+        self.content_format = content_format
         self.cache = cache
         self.hasher = hasher
         #: the tokens one image, audio or video part counts as (:func:`media_part_tokens`)
@@ -163,8 +166,10 @@ class PromptKeys:
                 raise vllm_error(str(exc), exc.param, exc.value) from None
 
         def truncated(tokens: list[int]) -> list[int]:
-            if truncate is not None and truncate > 0:
-                return tokens[-truncate:]  # vLLM keeps the prompt's last tokens
+            if truncate is not None and 0 < truncate < len(tokens):
+                if fields.truncation_side == "right":
+                    return tokens[:truncate]
+                return tokens[-truncate:]  # vLLM's default: it keeps the prompt's last tokens
             return tokens
 
         def keys_of(tokens: list[int]) -> list[int]:
@@ -209,6 +214,7 @@ class PromptKeys:
                 text = render_chat_text(
                     tokenizer,
                     fields.messages,
+                    content_format=self.content_format,
                     add_generation_prompt=fields.add_generation_prompt,
                     continue_final_message=fields.continue_final_message,
                     chat_template_kwargs=fields.chat_template_kwargs,

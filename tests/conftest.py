@@ -376,6 +376,32 @@ def unique_port() -> int:
     return port
 
 
+def consecutive_ports(n: int) -> int:
+    """The first of ``n`` free loopback ports in a row that this process has not handed out
+    before (a data-parallel vLLM's ranks publish at a base port plus their rank)."""
+    import socket
+
+    for _ in range(200):
+        base = unique_port()
+        ports = range(base, base + n)
+        if any(p in _GIVEN_PORTS for p in ports[1:]):
+            continue
+        socks = []
+        try:
+            for port in ports:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _GIVEN_PORTS.update(ports)
+        return base
+    raise AssertionError(f"no {n} free ports in a row")
+
+
 class WorkerProcess:
     """A ``kvpool worker serve`` process (the simulated engine by default): a worker the test
     can kill like a crashed pod. ``log``: a file for its output, shown if it fails to start."""

@@ -18,11 +18,15 @@ from kvpool.kv_events import (
     EventBatch,
     EventPublisher,
     EventSubscriber,
+    RankedSubscriber,
     UnknownEvent,
     decode_batch,
     encode_seq,
+    offset_endpoint,
     parse_seq,
 )
+
+from conftest import consecutive_ports
 
 
 def stored(i: int) -> BlockStored:
@@ -574,3 +578,54 @@ def test_a_closed_publisher_cannot_be_restarted_and_failed_starts_leak_nothing()
             EventPublisher("not-a-transport://x", None).start()
         EventPublisher()  # made, never started
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_a_ranks_endpoints_are_where_vllm_puts_them() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://10.0.0.7:5557", 3) == "tcp://10.0.0.7:5560"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("tcp://127.0.0.1:0", 2) == "tcp://127.0.0.1:0"  # the OS's port
+    assert offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    with pytest.raises(ValueError, match="only on tcp"):  # vLLM fails to start so
+        offset_endpoint("ipc:///tmp/kv", 1)
+    assert offset_endpoint("ipc:///tmp/kv", 0) == "ipc:///tmp/kv"
+
+
+async def test_a_data_parallel_vllms_ranks_are_read_as_one_stream(make_publisher, collect) -> None:
+    """vLLM --data-parallel-size 2: rank r publishes at the events port + r and replays
+    at the replay port + r, each stream numbered on its own. Both are read, their history
+    first (caught up once both are in), and a rank that restarts is named in its resync."""
+    events, replay = consecutive_ports(2), consecutive_ports(2)
+    pubs = [
+        make_publisher(
+            endpoint=f"tcp://127.0.0.1:{events + r}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay + r}",
+            data_parallel_rank=r,
+        )
+        for r in (0, 1)
+    ]
+    for r, pub in enumerate(pubs):
+        for i in range(5):
+            pub.publish([stored(100 * r + i)])
+    sub = collect(
+        RankedSubscriber(
+            f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}", (0, 1), start_seq=0
+        )
+    )
+    await sub.wait_until(lambda: len(sub.batches) == 10)
+    await asyncio.wait_for(sub.sub.caught_up.wait(), 10)
+    by_rank: dict[int, list[int]] = {}
+    for b in sub.batches:
+        by_rank.setdefault(b.batch.data_parallel_rank, []).append(b.batch.events[0].block_hashes[0])
+    assert by_rank == {0: [0, 1, 2, 3, 4], 1: [100, 101, 102, 103, 104]}  # each in its order
+    pubs[1].publish([stored(105)])
+    await sub.wait_until(lambda: len(sub.batches) == 11)
+    assert sub.sub.stats.batches == 11 and sub.sub.stats.replayed_batches == 10
+
+    # rank 1's engine restarts: its stream begins again, and only rank 1 lost anything
+    pubs[1] = restart_publisher(pubs[1], make_publisher)
+    pubs[1].data_parallel_rank = 1
+    pubs[1].publish([stored(200)])
+    pubs[0].publish([stored(5)])
+    await sub.wait_until(lambda: any(b.batch.events[0].block_hashes[0] == 200 for b in sub.batches))
+    assert [r.rank for r in sub.resyncs] == [1]

@@ -256,6 +256,31 @@ def test_a_vllm_pods_slot_count_is_on_the_pod_for_the_router() -> None:
     assert "kvpool.io/max-num-seqs" not in template["metadata"]["annotations"]
 
 
+def test_a_data_parallel_vllms_ranks_publish_where_the_router_and_policy_expect() -> None:
+    """vLLM --data-parallel-size N: rank r publishes at the events port + r and replays at
+    the replay port + r. The pod names each rank's ports, the NetworkPolicy lets the router
+    reach them all, and a spec whose ranges meet (the defaults 5557/5558 with two ranks: vLLM
+    would fail to bind) is refused naming the fix."""
+    spec = json.loads(json.dumps(SPECS["aggregated-vllm"]))
+    spec["engine"]["args"] += ["--data-parallel-size", "2"]
+    with pytest.raises(ValueError, match="set replayPort to 5559 or more"):
+        validate_pool("p", spec)
+    spec["engine"]["kvEvents"] = {"replayPort": 5567}
+    children = render("p", NS, validate_pool("p", spec), Images(), PEERS)
+    c = container(by_kind(children, "Deployment", "p-decode"))
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {k: v for k, v in ports.items() if k.startswith("kv-")} == {
+        "kv-events": 5557,
+        "kv-replay": 5567,
+        "kv-events-dp1": 5558,
+        "kv-replay-dp1": 5568,
+    }
+    policy = by_kind(children, "NetworkPolicy", "p-workers")
+    ranges = [p for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])]
+    assert {"protocol": "TCP", "port": 5557, "endPort": 5558} in ranges
+    assert {"protocol": "TCP", "port": 5567, "endPort": 5568} in ranges
+
+
 def test_an_aggregated_vllm_pool_has_no_kv_transfer() -> None:
     c = container(by_kind(rendered("aggregated-vllm"), "Deployment", "aggregated-vllm-decode"))
     assert "--kv-transfer-config" not in c["args"]
@@ -269,6 +294,11 @@ def test_router_is_told_the_vllm_event_ports_and_the_hash_seed() -> None:
     assert config["KVPOOL_ROUTER_HASH_SEED"] == "42"
     assert config["KVPOOL_ROUTER_DISCOVERY"] == "kubernetes"
     assert config["KVPOOL_ROUTER_SELECTOR"] == worker_selector("p")
+    assert "KVPOOL_ROUTER_CHAT_TEMPLATE_CONTENT_FORMAT" not in config  # vLLM's auto
+    given = json.loads(json.dumps(SPECS["aggregated-vllm"]))
+    given["engine"]["args"] += ["--chat-template-content-format", "openai"]
+    told = router_config("p", validate_pool("p", given))
+    assert told["KVPOOL_ROUTER_CHAT_TEMPLATE_CONTENT_FORMAT"] == "openai"  # the router follows
     ours = router_config("p", validate_pool("p", SPECS["aggregated-kvpool"]))
     assert "KVPOOL_ROUTER_WORKER_EVENTS_PORT" not in ours  # kvpool workers say so themselves
     assert ours["KVPOOL_ROUTER_SCORER"] == "prefix=3 in-flight=1"

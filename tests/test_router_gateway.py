@@ -168,5 +168,10 @@ def test_bad_request_gets_the_openai_error_the_worker_would_give(stack):
         "input_tokens",
     )
     assert "your prompt contains 2000 input tokens" in long.value.body["message"]
-    assert router.metric("kvpool_router_requests_total", outcome="client_error") == 3
+    # an output limit over the whole context is vLLM's first refusal, before the prompt's
+    with pytest.raises(openai.BadRequestError) as output:
+        client.completions.create(model=model, prompt=[1] * 2000, max_tokens=10**6)
+    assert output.value.body["param"] == "max_tokens"
+    assert output.value.body["message"].startswith("max_tokens=1000000 cannot be greater than")
+    assert router.metric("kvpool_router_requests_total", outcome="client_error") == 4
     assert httpx.get(router.url + "/health", timeout=10).status_code == 200

@@ -572,3 +572,57 @@ def test_a_hot_prefix_is_copied_while_fewer_workers_hold_it_than_its_share_calls
     # a prefix its traffic does not call for more copies of stays where it is
     d = Policy.named("kvpool").decide(req(2400, **hot, spread_wanted=1, spread_depth=100), ws)
     assert (d.worker, d.reason) == ("w0", "prefix")
+
+
+# -- a full batch ---------------------------------------------------------------------------
+
+
+def test_a_worker_whose_announced_batch_is_full_is_passed_over_while_another_has_room() -> None:
+    """A burst on a prefix one worker holds: once its announced max_num_seqs are in flight,
+    the next request goes where there is a free place, not into its queue, however much of
+    the prompt it holds; the reason names the filter."""
+    policy = Policy(CFG)
+    holder = WorkerView(id="w0", in_flight=16, batch_capacity=16, batch_announced=True)
+    other = WorkerView(id="w1", in_flight=3, batch_capacity=16, batch_announced=True)
+    d = policy.decide(req(2000, w0=120), [holder, other])
+    assert d.worker == "w1"
+    row = next(c for c in d.candidates if c.worker == "w0")
+    assert row.filtered == "batch-full: batch full (16 in flight of 16)"
+    assert saturation(d, 2.0) is None  # the pool has room: nothing waits
+    # one place left: the holder keeps its prefix
+    holder.in_flight = 15
+    assert policy.decide(req(2000, w0=120), [holder, other]).worker == "w0"
+
+
+def test_a_full_batch_everywhere_drops_no_worker_and_saturates_the_pool() -> None:
+    policy = Policy(CFG)
+    full = workers(2, in_flight=16, batch_capacity=16, batch_announced=True)
+    d = policy.decide(req(2000, w0=120), full)
+    assert d.worker is not None and all(c.filtered is None for c in d.candidates)
+    assert saturation(d, 2.0) == "ttft"  # the request waits in the router
+
+
+def test_a_learned_batch_size_does_not_filter() -> None:
+    """The most seen running while others waited may be low (a moment of full KV cache):
+    it would never grow if it kept requests away, so it only counts toward saturation."""
+    policy = Policy(CFG)
+    learned = WorkerView(id="w0", in_flight=6, batch_capacity=5)
+    d = policy.decide(req(2000, w0=120), [learned, WorkerView(id="w1")])
+    assert d.worker == "w0"
+    assert all(c.filtered is None for c in d.candidates)
+
+
+def test_a_data_parallel_vllms_ranks_are_read_from_its_cache_config() -> None:
+    from kvpool.router.pool import _engines, info_label_sets
+
+    page = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",engine="0",hash="sha256_cbor"} 1.0\n'
+        'vllm:cache_config_info{block_size="32",engine="1",hash="sha256_cbor"} 1.0\n'
+    )
+    labels = info_label_sets(page, "vllm:cache_config_info")
+    assert [series["engine"] for series in labels] == ["0", "1"]
+    assert _engines(labels) == (0, 1)
+    assert _engines([{"block_size": "16"}]) == (0,)  # no engine label: one engine
+    assert _engines([{"engine": "²"}]) == (0,)  # not a number: ignored

@@ -218,6 +218,9 @@ def test_a_prompt_far_over_the_context_is_refused_from_its_beginning(
     # token ids are counted, not tokenized
     with pytest.raises(PromptTooLong, match="contains 600 input tokens"):  # exactly
         encode_within(tokenizer, list(range(600)), 512)
+    # one over: vLLM cannot tell it from a longer prompt cut there, and words it so
+    with pytest.raises(PromptTooLong, match="contains at least 513 input tokens"):
+        encode_within(tokenizer, list(range(513)), 512)
     assert encode_within(tokenizer, [1, 2, 3], 512) == [1, 2, 3]
 
 

@@ -97,7 +97,9 @@ def _port() -> int:
 
 class VLLMServer:
     """One vLLM OpenAI server on 127.0.0.1, its KV events on ``events`` and replay on
-    ``replay`` (the replay port is the events port + 1 only by choice here)."""
+    ``replay``. With ``data_parallel_size`` above 1, rank r of its engines publishes at
+    the events port + r and replays at the replay port + r (vLLM's placement), so both
+    take that many ports in a row."""
 
     def __init__(
         self,
@@ -108,9 +110,16 @@ class VLLMServer:
         max_num_seqs: int = 16,
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
+        from conftest import consecutive_ports
+
         self.model, self.workdir, self.name = model, workdir, name
-        self.port, self.events_port, self.replay_port = _port(), _port(), _port()
+        self.port = _port()
+        self.events_port = consecutive_ports(data_parallel_size)
+        self.replay_port = consecutive_ports(data_parallel_size)
+        if data_parallel_size > 1:
+            extra = (*extra, "--data-parallel-size", str(data_parallel_size))
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = f"tcp://127.0.0.1:{self.events_port}"
         self.replay = f"tcp://127.0.0.1:{self.replay_port}"

@@ -51,6 +51,8 @@ from kvpool.openai_api import (
     WorkerInfo,
     exception_handlers,
     model_not_found,
+    output_limit,
+    output_over_context,
     parse_request,
     vllm_error,
 )
@@ -996,18 +998,10 @@ def _reachable(endpoint: str, host: str) -> str:
 
 def _check_output_limit(req: CompletionRequest | ChatCompletionRequest, limit: int) -> None:
     """vLLM refuses a request for more output tokens than the whole context, before it
-    reads the prompt, naming the field the request gave (a chat's
-    ``max_completion_tokens`` before its ``max_tokens``)."""
-    name, value = "max_tokens", req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        name, value = "max_completion_tokens", req.max_completion_tokens
-    if value is not None and value > limit:
-        raise vllm_error(
-            f"{name}={value} cannot be greater than max_model_len={limit}. "
-            f"Please request fewer output tokens.",
-            name,
-            value,
-        )
+    reads the prompt, naming the field the request gave."""
+    named = output_limit(req, "chat" if isinstance(req, ChatCompletionRequest) else "completion")
+    if named is not None and named[1] > limit:
+        raise output_over_context(named[0], named[1], limit)
 
 
 def _output_room(room: int, max_tokens: int | None, min_tokens: int) -> int:

@@ -981,6 +981,40 @@ class InferencePoolSpec(RuledSpec):
             choices.append(f"engine.blockSize unset: {self.block_size} ({why})")
         return choices
 
+    def engine_args(self, role: str) -> list[str]:
+        """The arguments the pool adds to a role's engine: the engine's, then the role's."""
+        return [*self.engine.args, *self.roles()[role].args]
+
+    def data_parallel_size(self, role: str) -> int:
+        """How many data-parallel engines a vLLM worker pod of the role runs (its args'
+        ``--data-parallel-size``): each publishes its KV events at the events and replay
+        ports plus its rank. 1 for kvpool's engine, and where the args say nothing."""
+        if self.engine_type != "vllm":
+            return 1
+        args = self.engine_args(role)
+        value = arg_value(args, "--data-parallel-size") or arg_value(args, "-dp")
+        return int(value) if value is not None and value.isdecimal() and int(value) else 1
+
+    def kv_events_problems(self) -> list[str]:
+        """What vLLM would fail on at start: with N data-parallel engines, rank r binds the
+        events port + r and the replay port + r, so the two ranges must not meet."""
+        events = self.engine.kv_events
+        if not events.enabled:
+            return []
+        problems = []
+        for role in self.roles():
+            n = self.data_parallel_size(role)
+            ports = range(events.port, events.port + n)
+            replay = range(events.replay_port, events.replay_port + n)
+            if n > 1 and (set(ports) & set(replay) or ports[-1] > 65535 or replay[-1] > 65535):
+                problems.append(
+                    f"spec.engine.kvEvents: {role} runs --data-parallel-size {n}, whose rank r "
+                    f"publishes at port + r and replays at replayPort + r: ports "
+                    f"{ports[0]}-{ports[-1]} and {replay[0]}-{replay[-1]} must not meet (and "
+                    f"end by 65535); set replayPort to {events.port + n} or more"
+                )
+        return problems
+
     def worker_role_label(self, role: str) -> str:
         """What the router reads from a pod's ``kvpool.io/role``: may it serve whole requests?"""
         if role == "prefill":
@@ -1117,10 +1151,24 @@ def validate_pool(name: str, spec: Any, *, allow_host_access: bool = False) -> I
     except ValidationError as e:
         problems.extend(_describe(err) for err in e.errors())
         pool = None
+    if pool is not None:
+        problems.extend(pool.kv_events_problems())
     if problems:
         raise ValueError("; ".join(problems))
     assert pool is not None
     return pool
+
+
+def arg_value(args: list[str], flag: str) -> str | None:
+    """The value an argument list gives ``flag`` (``--flag V`` or ``--flag=V``; the last
+    one, as an argument parser takes it), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
 
 
 def _describe(err: Any) -> str:

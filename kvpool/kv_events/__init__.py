@@ -21,11 +21,13 @@ from .publisher import EventPublisher
 from .subscriber import (
     Delivery,
     EventSubscriber,
+    RankedSubscriber,
     Received,
     ResyncNeeded,
     SequenceTracker,
     SubscriberStats,
     Verdict,
+    offset_endpoint,
 )
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "KVCacheEvent",
     "MalformedMessage",
     "MalformedPayload",
+    "RankedSubscriber",
     "Received",
     "ResyncNeeded",
     "SequenceTracker",
@@ -50,6 +53,7 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "encode_seq",
+    "offset_endpoint",
     "parse_frames",
     "parse_seq",
 ]

@@ -33,7 +33,8 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -54,11 +55,13 @@ from .publisher import USERNAME
 __all__ = [
     "Delivery",
     "EventSubscriber",
+    "RankedSubscriber",
     "Received",
     "ResyncNeeded",
     "SequenceTracker",
     "SubscriberStats",
     "Verdict",
+    "offset_endpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,11 +87,13 @@ class Received:
 @dataclass(frozen=True)
 class ResyncNeeded:
     """Events from ``first_lost`` to ``last_lost`` (inclusive; ``None`` where unknown) are
-    gone for good: drop this worker's index entries. Later deliveries are valid again."""
+    gone for good: drop this worker's index entries (``rank``: those of that data-parallel
+    rank only, whose stream it was). Later deliveries are valid again."""
 
     reason: str
     first_lost: int | None = None
     last_lost: int | None = None
+    rank: int | None = None
 
 
 Delivery = Received | ResyncNeeded
@@ -657,3 +662,125 @@ class EventSubscriber:
         self.stats.resyncs += 1
         logger.warning("KV events from %s: resync needed: %s", self.name, reason)
         return ResyncNeeded(reason=reason, first_lost=first, last_lost=last)
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """Where data-parallel rank ``rank`` of a vLLM publishes what rank 0 publishes at
+    ``endpoint``, as vLLM places it: a TCP port plus the rank (port 0 stays 0), an
+    ``inproc`` name with ``_dp<rank>`` after it. vLLM refuses other addresses (``ipc``)
+    for a rank above 0, and so does this (ValueError)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        if port.isdecimal() and int(port):
+            return f"{head}:{int(port) + rank}"
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    raise ValueError(f"{endpoint}: vLLM places a data-parallel rank's events only on tcp://")
+
+
+class RankedSubscriber:
+    """A data-parallel vLLM's KV events: each rank's engine publishes its own stream (at
+    :func:`offset_endpoint` of the events and replay addresses), with its own sequence
+    numbers and replay buffer. One :class:`EventSubscriber` per rank, read as one stream:
+    batches in each rank's order, a :class:`ResyncNeeded` naming the rank that lost
+    events; :attr:`caught_up` once every rank's history is in. Its interface is
+    :class:`EventSubscriber`'s; a rank's stream that fails fails the whole."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None,
+        ranks: Iterable[int],
+        *,
+        name: str | None = None,
+        **options: Any,
+    ) -> None:
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self.ranks = tuple(sorted(set(ranks)))
+        if not self.ranks:
+            raise ValueError("a ranked subscriber needs at least one rank")
+        name = name or endpoint
+        self.subscribers = {
+            r: EventSubscriber(
+                offset_endpoint(endpoint, r),
+                offset_endpoint(replay_endpoint, r) if replay_endpoint else None,
+                name=f"{name}@dp{r}" if r else name,
+                **options,
+            )
+            for r in self.ranks
+        }
+        self.topic = self.subscribers[self.ranks[0]].topic
+        self.caught_up = asyncio.Event()
+
+    @property
+    def stats(self) -> SubscriberStats:
+        """Every rank's counts, added up."""
+        total = SubscriberStats()
+        for sub in self.subscribers.values():
+            for f in fields(SubscriberStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(sub.stats, f.name))
+        return total
+
+    def start(self) -> RankedSubscriber:
+        for sub in self.subscribers.values():
+            sub.start()
+        return self
+
+    def close(self) -> None:
+        self.caught_up.set()
+        for sub in self.subscribers.values():
+            sub.close()
+
+    def __aiter__(self) -> AsyncIterator[Delivery]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delivery]:
+        # (rank, a delivery | _CAUGHT_UP | the error that ended its stream | None: it ended)
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(rank: int, sub: EventSubscriber) -> None:
+            ended: Any = None
+            try:
+                async for item in sub:
+                    await queue.put((rank, item))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                ended = exc
+            finally:  # whatever ends it, the reader hears of it (cancelled: nobody reads)
+                queue.put_nowait((rank, ended))
+
+        async def caught_up(rank: int, sub: EventSubscriber) -> None:
+            # set after its history's last batch is queued: the marker comes after it
+            await sub.caught_up.wait()
+            await queue.put((rank, _CAUGHT_UP))
+
+        tasks = [asyncio.create_task(pump(r, s)) for r, s in self.subscribers.items()]
+        tasks += [asyncio.create_task(caught_up(r, s)) for r, s in self.subscribers.items()]
+        behind = set(self.ranks)
+        try:
+            while True:
+                rank, item = await queue.get()
+                if item is _CAUGHT_UP:
+                    behind.discard(rank)
+                    if not behind:  # every rank's history has been taken by the reader
+                        self.caught_up.set()
+                    continue
+                if item is None:
+                    raise ConnectionError(f"rank {rank}'s KV event stream ended")
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, ResyncNeeded):
+                    item = replace(item, rank=rank)
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+#: a rank's history is all in the queue (:class:`RankedSubscriber`)
+_CAUGHT_UP = object()
