@@ -36,7 +36,7 @@ from kvpool.api.inferencepool import (
     RoleSpec,
     arg_value,
 )
-from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION
+from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION, ONE_OF, PROBES
 
 Manifest = dict[str, Any]
 
@@ -202,6 +202,8 @@ CONTAINER_SECURITY: Manifest = {
     "runAsNonRoot": True,
     "capabilities": {"drop": ["ALL"]},
 }
+#: the user a container of an image that runs as root is run as (a distroless image's)
+NON_ROOT_UID = 65532
 TMP_VOLUME: Manifest = {"name": "tmp", "emptyDir": {}}
 TMP_MOUNT: Manifest = {"name": "tmp", "mountPath": "/tmp"}
 
@@ -515,23 +517,36 @@ def _probes(port: str) -> Manifest:
     """Started: /health answers 200 (model loaded; up to 30 min for big weights). Ready:
     /health is 200 (503 while loading or draining). Alive: the port accepts connections, so
     a worker that is draining is not killed for answering 503."""
+    # a probe times out after 1 s by default: a worker busy with a long prefill, or a GC
+    # pause, answers later than that without being unhealthy
     return {
         "startupProbe": {
             "httpGet": {"path": "/health", "port": port},
             "periodSeconds": 10,
-            "failureThreshold": 180,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
+            "failureThreshold": STARTUP_PROBES,
         },
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": port},
             "periodSeconds": 5,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
             "failureThreshold": 2,
         },
         "livenessProbe": {
             "tcpSocket": {"port": port},
             "periodSeconds": 10,
+            "timeoutSeconds": PROBE_TIMEOUT_S,
             "failureThreshold": 6,
         },
     }
+
+
+PROBE_TIMEOUT_S = 5
+STARTUP_PROBES = 180  # every 10 s: 30 min to load the weights
+#: a Deployment's rollout is reported failed (ProgressDeadlineExceeded: Argo CD, Flux and
+#: kube-state-metrics' alerts read it) after this long without progress; the default 600 s
+#: is shorter than a worker's startup window, so every large model's rollout "failed"
+PROGRESS_DEADLINE_S = STARTUP_PROBES * 10 + 600
 
 
 def _scrape_annotations(port: int) -> dict[str, str]:
@@ -650,6 +665,7 @@ def worker_deployment(
         "spec": {
             **replicas,
             "selector": {"matchLabels": selector},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {
@@ -700,6 +716,9 @@ def disruption_budget(pool: str, namespace: str, component: str, group: str | No
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(pool, component, group)},
+            # a pod stuck loading or crash-looping serves nobody: a node drain or a cluster
+            # autoscaler's scale-down may evict it (the default waits for it to be ready)
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
@@ -850,6 +869,12 @@ def router_deployment(
     _add_pod_parts(pod_spec, init, volumes, router, router.affinity)
     _add_pull_secrets(pod_spec, router.image_pull_secrets)
     _restrict(pod_spec)
+    if _router_copies_tokenizer(spec) and spec.engine_type == "vllm":
+        # vLLM's image runs as root, which the pod's runAsNonRoot makes the kubelet refuse:
+        # the copy runs as a user of ours (the files it reads are the image's, world-readable)
+        for c in pod_spec["initContainers"]:
+            if c["name"] == _COPY_TOKENIZER:
+                c["securityContext"].update(runAsUser=NON_ROOT_UID, runAsGroup=NON_ROOT_UID)
     selector = selector_labels(pool, "router")
     annotations = {
         **_scrape_annotations(ROUTER_PORT),
@@ -871,6 +896,7 @@ def router_deployment(
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_S,  # it may download a tokenizer
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
@@ -1088,21 +1114,41 @@ def router_endpoint(pool: str, namespace: str, spec: InferencePoolSpec) -> str:
 # --- pod template overrides -----------------------------------------------------------------
 
 
-def merge_template(base: Manifest, override: Manifest) -> Manifest:
+def merge_template(base: Manifest, override: Manifest, _within: str = "") -> Manifest:
     """``override`` (a partial pod template) deep-merged over ``base``: maps key by key, lists
-    of named things (containers, volumes, env, ports) by name, other lists replaced."""
+    of named things (containers, volumes, env, ports) by name, other lists replaced. Where
+    Kubernetes allows one of several fields (a probe's or hook's handler, a volume's source,
+    an env var's value or valueFrom and its kind), an override that names one replaces the
+    base's other: merged key by key, both would stand, and the API server refuses that."""
     out = copy.deepcopy(base)
+    group = ONE_OF.get(_within)
+    if group is not None and group & override.keys():
+        for key in group - override.keys():
+            out.pop(key, None)
     for key, value in override.items():
         mine = out.get(key)
         if isinstance(mine, dict) and isinstance(value, dict):
-            out[key] = merge_template(mine, value)
+            out[key] = merge_template(mine, value, _one_of_kind(_within, key))
         elif isinstance(mine, list) and isinstance(value, list) and _named(mine) and _named(value):
             theirs = {item["name"]: item for item in value}
-            out[key] = [merge_template(i, theirs.pop(i["name"], {})) for i in mine]
+            kind = key if key in ("volumes", "env") else ""
+            out[key] = [merge_template(i, theirs.pop(i["name"], {}), kind) for i in mine]
             out[key] += [copy.deepcopy(i) for i in theirs.values()]
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def _one_of_kind(within: str, key: str) -> str:
+    """What the map under ``key`` is, for :data:`ONE_OF`: a probe or a lifecycle hook (a
+    handler), an env var's valueFrom; "" for anything else."""
+    if key in PROBES or (within == "lifecycle" and key in ("postStart", "preStop")):
+        return "handler"
+    if key == "lifecycle":
+        return "lifecycle"
+    if within == "env" and key == "valueFrom":
+        return "valueFrom"
+    return ""
 
 
 def _named(items: list[Any]) -> bool:

@@ -86,6 +86,7 @@ ALLOWED_KEYS = {
     "maxLength",
     "minItems",
     "maxItems",
+    "maxProperties",  # a map's bound (apiextensions v1 JSONSchemaProps)
     "default",
     "anyOf",
     "x-kubernetes-int-or-string",

@@ -620,7 +620,9 @@ async def test_a_data_parallel_vllms_ranks_are_read_as_one_stream(make_publisher
     assert by_rank == {0: [0, 1, 2, 3, 4], 1: [100, 101, 102, 103, 104]}  # each in its order
     pubs[1].publish([stored(105)])
     await sub.wait_until(lambda: len(sub.batches) == 11)
-    assert sub.sub.stats.batches == 11 and sub.sub.stats.replayed_batches == 10
+    # the history came through replay (and the live batch too, if it was published before
+    # the rank's SUB had joined: ZMQ's slow joiner, recovered through replay)
+    assert sub.sub.stats.batches == 11 and sub.sub.stats.replayed_batches >= 10
 
     # rank 1's engine restarts: its stream begins again, and only rank 1 lost anything
     pubs[1] = restart_publisher(pubs[1], make_publisher)

@@ -281,6 +281,36 @@ def test_a_data_parallel_vllms_ranks_publish_where_the_router_and_policy_expect(
     assert {"protocol": "TCP", "port": 5567, "endPort": 5568} in ranges
 
 
+def kubelet_refusals(template: dict[str, Any], root_images: set[str]) -> list[str]:
+    """What the kubelet refuses to start in a pod template: a container whose image runs
+    as root (``root_images``) where runAsNonRoot holds (the pod's or its own) and no
+    non-zero runAsUser says who to run as instead ("container has runAsNonRoot and image
+    will run as root")."""
+    spec = template["spec"]
+    pod = spec.get("securityContext") or {}
+    out = []
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        own = c.get("securityContext") or {}
+        non_root = own.get("runAsNonRoot", pod.get("runAsNonRoot", False))
+        user = own.get("runAsUser", pod.get("runAsUser"))
+        if c["image"] in root_images and non_root and not user:
+            out.append(c["name"])
+    return out
+
+
+def test_the_router_of_a_vllm_pool_whose_model_is_in_the_image_starts_as_non_root() -> None:
+    """The router copies the tokenizer out of the worker image, vLLM's, which runs as root,
+    in a pod that must run as non-root: the copy is given a user of its own."""
+    children = rendered("aggregated-vllm")  # model.source.image
+    template = by_kind(children, "Deployment", "aggregated-vllm-router")["spec"]["template"]
+    names = [c["name"] for c in template["spec"]["initContainers"]]
+    assert "copy-tokenizer" in names
+    assert kubelet_refusals(template, {Images().vllm}) == []
+    copy = template["spec"]["initContainers"][names.index("copy-tokenizer")]
+    assert copy["securityContext"]["runAsUser"] == 65532
+    assert copy["securityContext"]["runAsNonRoot"] is True
+
+
 def test_an_aggregated_vllm_pool_has_no_kv_transfer() -> None:
     c = container(by_kind(rendered("aggregated-vllm"), "Deployment", "aggregated-vllm-decode"))
     assert "--kv-transfer-config" not in c["args"]
@@ -491,3 +521,95 @@ def test_an_autoscaled_role_starts_within_its_bounds() -> None:
     children = render("p", NS, validate_pool("p", spec), Images())
     assert by_kind(children, "Deployment", "p-decode")["spec"]["replicas"] == 2  # min 2
     assert by_kind(children, "Deployment", "p-prefill")["spec"]["replicas"] == 4  # max 4
+
+
+def test_an_override_of_a_one_of_field_replaces_the_base_member_as_kubernetes_requires() -> None:
+    """A probe has one handler, a volume one source, an env var a value or a valueFrom:
+    merged key by key, an override naming another would leave both, and the API server
+    refuses the Deployment ("may not specify more than 1 handler type")."""
+    base = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "worker",
+                    "readinessProbe": {
+                        "httpGet": {"path": "/health", "port": "http"},
+                        "periodSeconds": 5,
+                    },
+                    "lifecycle": {"preStop": {"exec": {"command": ["drain"]}}},
+                    "env": [
+                        {"name": "A", "value": "1"},
+                        {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    ],
+                }
+            ],
+            "volumes": [{"name": "model", "emptyDir": {}}],
+        }
+    }
+    over = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "worker",
+                    "readinessProbe": {"exec": {"command": ["check"]}},
+                    "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+                    "env": [
+                        {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+                        {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+                    ],
+                }
+            ],
+            "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "models"}}],
+        }
+    }
+    merged = merge_template(base, over)["spec"]
+    c = merged["containers"][0]
+    # the handler replaced, the probe's other settings kept
+    assert c["readinessProbe"] == {"exec": {"command": ["check"]}, "periodSeconds": 5}
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    assert c["env"] == [
+        {"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}},
+    ]
+    assert merged["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models"}}
+    ]
+    # an override of another member's settings alone keeps the base's member
+    again = merge_template(
+        base,
+        {
+            "spec": {
+                "containers": [
+                    {"name": "worker", "readinessProbe": {"httpGet": {"path": "/ready"}}}
+                ]
+            }
+        },
+    )
+    assert again["spec"]["containers"][0]["readinessProbe"]["httpGet"] == {
+        "path": "/ready",
+        "port": "http",
+    }
+
+
+@pytest.mark.parametrize("case", list(SPECS))
+def test_rollouts_are_not_failed_before_the_weights_load_and_drains_are_not_blocked(
+    case: str,
+) -> None:
+    """A large model loads for up to its startup window (30 min): a Deployment reported
+    ProgressDeadlineExceeded before that (the default is 600 s) shows as failed in Argo CD,
+    Flux and kube-state-metrics' alerts. A pod stuck loading must not block a node drain
+    (the PDB's default policy waits for it to be ready), and a probe does not fail a worker
+    for answering in more than a second."""
+    children = rendered(case)
+    for deployment in [c for c in children if c["kind"] == "Deployment"]:
+        spec = deployment["spec"]
+        main = spec["template"]["spec"]["containers"][0]
+        startup = main["startupProbe"]
+        window = startup["periodSeconds"] * startup["failureThreshold"]
+        assert spec["progressDeadlineSeconds"] > window, deployment["metadata"]["name"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert main[probe]["timeoutSeconds"] >= 5
+    budgets = [c for c in children if c["kind"] == "PodDisruptionBudget"]
+    assert budgets and all(
+        b["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for b in budgets
+    )

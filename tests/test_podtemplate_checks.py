@@ -337,3 +337,54 @@ def test_the_chart_passes_allow_host_access_to_the_operator(values: list[str], e
     (container,) = yaml.safe_load(proc.stdout)["spec"]["template"]["spec"]["containers"]
     plain = {e["name"]: e.get("value") for e in container["env"]}
     assert plain["KVPOOL_OPERATOR_ALLOW_HOST_ACCESS"] == env
+
+
+@pytest.mark.parametrize(
+    ("container", "volumes", "path", "words"),
+    [
+        (
+            {
+                "name": "worker",
+                "readinessProbe": {"exec": {"command": ["x"]}, "httpGet": {"port": 80}},
+            },
+            [],
+            "spec.containers[0].readinessProbe",
+            "more than one handler (exec, httpGet)",
+        ),
+        (
+            {"name": "worker", "lifecycle": {"preStop": {"sleep": {"seconds": 1}, "exec": {}}}},
+            [],
+            "spec.containers[0].lifecycle.preStop",
+            "more than one handler (exec, sleep)",
+        ),
+        (
+            {"name": "worker", "env": [{"name": "A", "value": "1", "valueFrom": {}}]},
+            [],
+            "spec.containers[0].env[0]",
+            "more than one value (value, valueFrom)",
+        ),
+        (
+            {
+                "name": "w",
+                "env": [{"name": "A", "valueFrom": {"fieldRef": {}, "secretKeyRef": {}}}],
+            },
+            [],
+            "spec.containers[0].env[0].valueFrom",
+            "more than one source (fieldRef, secretKeyRef)",
+        ),
+        (
+            {"name": "worker"},
+            [{"name": "model", "emptyDir": {}, "persistentVolumeClaim": {"claimName": "m"}}],
+            "spec.volumes[0]",
+            "more than one source (emptyDir, persistentVolumeClaim)",
+        ),
+    ],
+)
+def test_a_template_with_two_members_of_a_one_of_field_is_refused_naming_it(
+    container: dict[str, Any], volumes: list[Any], path: str, words: str
+) -> None:
+    """What the API server refuses (a probe with two handlers, a volume with two sources,
+    an env var with a value and a valueFrom) is refused by the check, not half-applied."""
+    template = {"spec": {"containers": [container], "volumes": volumes}}
+    found = problems("decode", template)
+    assert f"spec.decode.podTemplate.{path}: {words}" in found, found

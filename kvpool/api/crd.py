@@ -9,6 +9,8 @@ columns and status subresource.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -38,6 +40,7 @@ _KEPT = (
     "maxLength",
     "minItems",
     "maxItems",
+    "maxProperties",
     "default",
     "x-kubernetes-validations",
 )
@@ -204,3 +207,123 @@ class _Dumper(yaml.SafeDumper):
 def crd_yaml() -> str:
     body = yaml.dump(custom_resource_definition(), Dumper=_Dumper, sort_keys=False, width=100)
     return HEADER + body
+
+
+# --- the API server's CEL cost limits, stood in for -----------------------------------------
+
+#: the API server refuses a CRD whose validation rule is estimated to cost more than this
+#: (apiextensions-apiserver's StaticEstimatedCostLimit), or whose rules together cost more
+#: than ``PER_CRD_COST_LIMIT`` (StaticEstimatedCRDCostLimit)
+PER_RULE_COST_LIMIT = 10_000_000
+PER_CRD_COST_LIMIT = 100_000_000
+#: the API server's guess at an unbounded list's or map's size: a 3 MiB request of its
+#: smallest elements (about 393,000 entries of a map of strings, in its own estimate)
+UNBOUNDED = 3 * 2**20 // 8
+
+_COMPREHENSION = re.compile(r"self((?:\.[A-Za-z_]\w*)*)\.(?:all|exists_one|exists|map|filter)\(")
+_FIELD = re.compile(r"self((?:\.[A-Za-z_]\w*)+)")
+
+
+@dataclass
+class RuleCost:
+    """One validation rule's worst case, as the API server's estimate sees it: how many
+    times it may run (the product of the sizes of the lists and maps above it) times what
+    one run iterates and scans (its comprehensions' collections, its regexes' strings)."""
+
+    path: str
+    rule: str
+    runs: int
+    per_run: int
+    problems: list[str]
+
+    @property
+    def cost(self) -> int:
+        return self.runs * self.per_run
+
+
+def rule_costs(crd: dict[str, Any]) -> list[RuleCost]:
+    """Every x-kubernetes-validations rule of the CRD's schema with its worst-case cost
+    (:class:`RuleCost`) and what makes it unbounded, a stand-in for the API server's cost
+    estimator, which no test here can run: conservative where it is crude (a rule's
+    tokens count as its per-item work)."""
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    out: list[RuleCost] = []
+    _walk(schema, "", 1, [], out)
+    return out
+
+
+def _size(node: dict[str, Any]) -> int | None:
+    if node.get("type") == "array":
+        return node.get("maxItems")
+    if node.get("type") == "object" and "additionalProperties" in node:
+        return node.get("maxProperties")
+    return 1
+
+
+def _walk(
+    node: dict[str, Any], path: str, runs: int, unbounded: list[str], out: list[RuleCost]
+) -> None:
+    for entry in node.get("x-kubernetes-validations", []):
+        rule = entry["rule"]
+        problems = [
+            f"{path or '.'}: a rule runs once per item of {u}, which has no bound"
+            for u in unbounded
+        ]
+        per_run = max(len(rule.split()), 1)
+        for m in _COMPREHENSION.finditer(rule):
+            target = _resolve(node, m.group(1))
+            size = _size(target) if target is not None else None
+            if size is None:
+                problems.append(f"{path}{m.group(1)}: iterated by a rule, and has no maxProperties")
+                size = UNBOUNDED
+            per_run *= size
+        if ".matches(" in rule:  # a regex costs the length of the strings it may be given
+            for dotted in sorted({m.group(1) for m in _FIELD.finditer(rule)}):
+                target = _resolve(node, dotted)
+                if target is None or not _stringy(target) or target.get("enum"):
+                    continue
+                length = target.get("maxLength")
+                if length is None:
+                    problems.append(
+                        f"{path}{dotted}: a rule's regex may read it, and has no maxLength"
+                    )
+                    length = 3 * 2**20
+                per_run += length
+        out.append(RuleCost(path or ".", rule, runs, per_run, problems))
+    for name, child in node.get("properties", {}).items():
+        _walk(child, f"{path}.{name}", runs, unbounded, out)
+    for key in ("items", "additionalProperties"):
+        child = node.get(key)
+        if isinstance(child, dict):
+            size = _size(node)
+            here = f"{path}[*]" if key == "items" else f"{path}.*"
+            more = [*unbounded, path] if size is None else unbounded
+            _walk(child, here, runs * (size or UNBOUNDED), more, out)
+
+
+def _stringy(node: dict[str, Any]) -> bool:
+    return node.get("type") == "string" or bool(node.get("x-kubernetes-int-or-string"))
+
+
+def _resolve(node: dict[str, Any], dotted: str) -> dict[str, Any] | None:
+    for name in [p for p in dotted.split(".") if p]:
+        node = node.get("properties", {}).get(name)
+        if node is None:
+            return None
+    return node
+
+
+def cost_problems(crd: dict[str, Any]) -> list[str]:
+    """Why the API server would refuse the CRD's rules: unbounded fields they touch, a rule
+    over the per-rule limit, all of them over the per-CRD limit."""
+    costs = rule_costs(crd)
+    problems = [p for c in costs for p in c.problems]
+    problems += [
+        f"{c.path}: a rule's estimated cost {c.cost:,} exceeds {PER_RULE_COST_LIMIT:,}"
+        for c in costs
+        if c.cost > PER_RULE_COST_LIMIT
+    ]
+    total = sum(c.cost for c in costs)
+    if total > PER_CRD_COST_LIMIT:
+        problems.append(f"the rules' estimated cost {total:,} exceeds {PER_CRD_COST_LIMIT:,}")
+    return problems

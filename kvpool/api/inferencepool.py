@@ -71,6 +71,9 @@ QUANTITY_PATTERN = (
 )
 
 
+INT_OR_STRING_MAX = 64
+
+
 def _int_or_string(pattern: str, minimum: int | None, what: str, examples: str) -> Any:
     """An integer or a string matching ``pattern``, checked as one value so that a bad one
     gets one message (a plain union names both of its branches, and the regex)."""
@@ -80,12 +83,14 @@ def _int_or_string(pattern: str, minimum: int | None, what: str, examples: str) 
         if isinstance(value, int) and not isinstance(value, bool):
             if minimum is None or value >= minimum:
                 return value
-        elif isinstance(value, str) and regex.fullmatch(value):
+        elif isinstance(value, str) and len(value) <= INT_OR_STRING_MAX and regex.fullmatch(value):
             return value
         raise ValueError(f"not {what}: {value!r} (e.g. {examples})")
 
     integer = {"type": "integer"} if minimum is None else {"type": "integer", "minimum": minimum}
-    schema = {"anyOf": [integer, {"type": "string", "pattern": pattern}]}
+    # bounded: a CEL rule's regex reads it (the API server prices a regex by the length)
+    text = {"type": "string", "pattern": pattern, "maxLength": INT_OR_STRING_MAX}
+    schema = {"anyOf": [integer, text]}
     return Annotated[int | str, PlainValidator(check), WithJsonSchema(schema), "int-or-string"]
 
 
@@ -573,8 +578,14 @@ class RouterSpec(RuledSpec):
     scorers: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict, description="scorer name -> weight; replaces the policy's"
     )
-    settings: dict[Annotated[str, Field(pattern=r"^[a-z][a-zA-Z0-9]*$")], str] = Field(
+    # bounded, as every field a CEL rule reads must be: the API server estimates a rule over
+    # an unbounded map at ~393,000 entries, over its cost limit, and refuses the CRD
+    settings: dict[
+        Annotated[str, Field(pattern=r"^[a-z][a-zA-Z0-9]*$", max_length=64)],
+        Annotated[str, Field(max_length=4096)],
+    ] = Field(
         default_factory=dict,
+        max_length=64,
         description="other router settings by camelCase name, e.g. maxConcurrency: '512'",
     )
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)

@@ -53,6 +53,25 @@ HOST_ACCESS = "host access, which this operator refuses (its allowHostAccess set
 
 Problem = tuple[str, str]  # (path inside the template, message)
 
+HANDLERS = frozenset({"exec", "httpGet", "tcpSocket", "grpc", "sleep"})
+#: Kubernetes' one-of groups, by what holds them (core/v1 Probe, LifecycleHandler,
+#: VolumeSource, EnvVar, EnvVarSource)
+ONE_OF: dict[str, frozenset[str]] = {
+    "handler": HANDLERS,
+    "volumes": frozenset({
+        "emptyDir", "persistentVolumeClaim", "hostPath", "secret", "configMap", "projected",
+        "downwardAPI", "csi", "ephemeral", "nfs", "image", "iscsi", "fc", "rbd", "cephfs",
+        "cinder", "azureDisk", "azureFile", "awsElasticBlockStore", "gcePersistentDisk",
+        "gitRepo", "glusterfs", "flocker", "flexVolume", "vsphereVolume", "quobyte",
+        "photonPersistentDisk", "portworxVolume", "scaleIO", "storageos",
+    }),
+    "env": frozenset({"value", "valueFrom"}),
+    "valueFrom": frozenset(
+        {"fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef", "fileKeyRef"}
+    ),
+}  # fmt: skip
+PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
+
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     """Whether ``value`` has objects or lists nested more than ``limit`` levels deep."""
@@ -160,6 +179,7 @@ def _check_pod_spec(spec: dict[str, Any], problems: list[Problem], allow_host: b
         host += _host_process(pod_security, "spec.securityContext", problems)
     lists = {key: _objects(spec, key, f"spec.{key}", problems) for key in POD_LISTS}
     for path, volume in lists["volumes"]:
+        _one_of(volume, "volumes", path, "source", problems)
         if volume.get("hostPath") is not None:
             host.append(f"{path}.hostPath")
     for key in CONTAINER_LISTS:
@@ -176,6 +196,15 @@ def _check_container(container: dict[str, Any], path: str, problems: list[Proble
     for port_path, port in lists["ports"]:
         if port.get("hostPort") not in (None, 0):
             host.append(f"{port_path}.hostPort")
+    handlers = [(f"{path}.{p}", container.get(p)) for p in PROBES]
+    lifecycle = container.get("lifecycle")
+    if isinstance(lifecycle, dict):
+        handlers += [(f"{path}.lifecycle.{h}", lifecycle.get(h)) for h in ("postStart", "preStop")]
+    for where, handler in handlers:
+        _one_of(handler, "handler", where, "handler", problems)
+    for env_path, env in lists.get("env", ()):
+        _one_of(env, "env", env_path, "value", problems)
+        _one_of(env.get("valueFrom"), "valueFrom", f"{env_path}.valueFrom", "source", problems)
     security = _object(container, "securityContext", f"{path}.securityContext", problems)
     if security is not None:
         if security.get("privileged") not in (None, False):
@@ -190,3 +219,12 @@ def _host_process(security: dict[str, Any], path: str, problems: list[Problem]) 
     if windows is not None and windows.get("hostProcess") not in (None, False):
         return [f"{path}.windowsOptions.hostProcess"]
     return []
+
+
+def _one_of(value: Any, group: str, path: str, what: str, problems: list[Problem]) -> None:
+    """At most one member of a one-of group (:data:`ONE_OF`), as the API server requires."""
+    if not isinstance(value, dict):
+        return
+    given = sorted(ONE_OF[group] & value.keys())
+    if len(given) > 1:
+        problems.append((path, f"more than one {what} ({', '.join(given)}): Kubernetes allows one"))
