@@ -613,3 +613,21 @@ def test_rollouts_are_not_failed_before_the_weights_load_and_drains_are_not_bloc
     assert budgets and all(
         b["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow" for b in budgets
     )
+
+
+def test_router_replicas_spread_over_nodes_and_zones() -> None:
+    """Two router replicas on one node are one node's loss away from none."""
+    children = rendered("aggregated-kvpool")  # router.replicas: 2
+    pod = by_kind(children, "Deployment", "aggregated-kvpool-router")["spec"]["template"]
+    spread = pod["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} == {
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    }
+    labels = pod["metadata"]["labels"]
+    for c in spread:  # it selects the router's own pods, and never leaves one unscheduled
+        assert c["whenUnsatisfiable"] == "ScheduleAnyway"
+        assert c["labelSelector"]["matchLabels"].items() <= labels.items()
+    one = rendered("aggregated-vllm")  # one replica: nothing to spread
+    pod = by_kind(one, "Deployment", "aggregated-vllm-router")["spec"]["template"]
+    assert "topologySpreadConstraints" not in pod["spec"]
