@@ -545,8 +545,9 @@ PROBE_TIMEOUT_S = 5
 STARTUP_PROBES = 180  # every 10 s: 30 min to load the weights
 #: a Deployment's rollout is reported failed (ProgressDeadlineExceeded: Argo CD, Flux and
 #: kube-state-metrics' alerts read it) after this long without progress; the default 600 s
-#: is shorter than a worker's startup window, so every large model's rollout "failed"
-PROGRESS_DEADLINE_S = STARTUP_PROBES * 10 + 600
+#: is shorter than a worker's startup window, so every large model's rollout "failed". The
+#: window, and as long again for what comes before it (a ~10 GB image, a model download)
+PROGRESS_DEADLINE_S = STARTUP_PROBES * 10 + 1800
 
 
 def _scrape_annotations(port: int) -> dict[str, str]:
@@ -842,10 +843,11 @@ def router_deployment(
         container["volumeMounts"] = [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}]
         excludes = " ".join(f"! -name {shlex.quote(g)}" for g in _WEIGHT_GLOBS)
         init.append({
-            "name": "copy-tokenizer",
+            "name": "copy-tokenizer",  # "+": find fails when a copy does
             "image": worker_image(spec, "decode", images),  # the image that holds the model
             "command": ["sh", "-c", f"find {shlex.quote(model_dir(spec))} -maxdepth 1 -type f "
-                                    f"{excludes} -exec cp {{}} {TOKENIZER_COPY}/ \\;"],
+                                    f"{excludes} -exec sh -c 'cp \"$@\" {TOKENIZER_COPY}/' "
+                                    "sh {} +"],
             "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_COPY}],
         })  # fmt: skip
     else:
@@ -1134,8 +1136,9 @@ def merge_template(base: Manifest, override: Manifest, _within: str = "") -> Man
     base's other: merged key by key, both would stand, and the API server refuses that."""
     out = copy.deepcopy(base)
     group = ONE_OF.get(_within)
-    if group is not None and group & override.keys():
-        for key in group - override.keys():
+    named = {k for k in group & override.keys() if override[k] is not None} if group else set()
+    if named:  # (a member given as null names nothing)
+        for key in group - named:  # type: ignore[operator]
             out.pop(key, None)
     for key, value in override.items():
         mine = out.get(key)

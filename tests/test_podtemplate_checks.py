@@ -388,3 +388,16 @@ def test_a_template_with_two_members_of_a_one_of_field_is_refused_naming_it(
     template = {"spec": {"containers": [container], "volumes": volumes}}
     found = problems("decode", template)
     assert f"spec.decode.podTemplate.{path}: {words}" in found, found
+
+
+def test_a_null_member_or_an_empty_value_beside_the_one_given_is_accepted() -> None:
+    """What the API server takes: a member given as null is no member, an env var's empty
+    value beside its valueFrom is no value."""
+    container = {
+        "name": "worker",
+        "readinessProbe": {"httpGet": None, "exec": {"command": ["check"]}},
+        "env": [
+            {"name": "A", "value": "", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+        ],
+    }
+    validate_pool("tiny", spec_with("decode", {"spec": {"containers": [container]}}))

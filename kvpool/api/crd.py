@@ -244,8 +244,9 @@ class RuleCost:
 def rule_costs(crd: dict[str, Any]) -> list[RuleCost]:
     """Every x-kubernetes-validations rule of the CRD's schema with its worst-case cost
     (:class:`RuleCost`) and what makes it unbounded, a stand-in for the API server's cost
-    estimator, which no test here can run: conservative where it is crude (a rule's
-    tokens count as its per-item work)."""
+    estimator, which no test here can run. Its per-item weights are cruder (a rule's tokens
+    count as its per-item work) and may price a rule lower than the API server does: what
+    it enforces is that every collection and string a rule walks is bounded."""
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     out: list[RuleCost] = []
     _walk(schema, "", 1, [], out)
@@ -283,7 +284,11 @@ def _walk(
                 if target is None or not _stringy(target) or target.get("enum"):
                     continue
                 length = target.get("maxLength")
-                if length is None:
+                if target.get("x-kubernetes-int-or-string"):
+                    # API servers before 1.34 price an int-or-string at a whole request,
+                    # whatever its maxLength (which still bounds what is accepted)
+                    length = 3 * 2**20
+                elif length is None:
                     problems.append(
                         f"{path}{dotted}: a rule's regex may read it, and has no maxLength"
                     )

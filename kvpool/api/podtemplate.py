@@ -225,6 +225,9 @@ def _one_of(value: Any, group: str, path: str, what: str, problems: list[Problem
     """At most one member of a one-of group (:data:`ONE_OF`), as the API server requires."""
     if not isinstance(value, dict):
         return
-    given = sorted(ONE_OF[group] & value.keys())
+    # a member given as null, or an env var's empty value, is none (the API server's view)
+    given = sorted(
+        k for k in ONE_OF[group] & value.keys() if value[k] is not None and value[k] != ""
+    )
     if len(given) > 1:
         problems.append((path, f"more than one {what} ({', '.join(given)}): Kubernetes allows one"))
