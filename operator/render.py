@@ -869,18 +869,18 @@ def router_deployment(
         "containers": [container],
     }
     _add_pod_parts(pod_spec, init, volumes, router, router.affinity)
-    if router.replicas > 1:
-        # replicas on different nodes, and zones, where the cluster can: one node's loss
-        # takes one replica (ScheduleAnyway: a small cluster still schedules them all)
-        pod_spec["topologySpreadConstraints"] = [
-            {
-                "maxSkew": 1,
-                "topologyKey": key,
-                "whenUnsatisfiable": "ScheduleAnyway",
-                "labelSelector": {"matchLabels": selector_labels(pool, "router")},
-            }
-            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
-        ]
+    # replicas on different nodes, and zones, where the cluster can: one node's loss takes
+    # one replica (ScheduleAnyway: a small cluster still schedules them all). Rendered
+    # whatever the count: scaling the router must not change its pod template
+    pod_spec["topologySpreadConstraints"] = [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(pool, "router")},
+        }
+        for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+    ]
     _add_pull_secrets(pod_spec, router.image_pull_secrets)
     _restrict(pod_spec)
     if _router_copies_tokenizer(spec) and spec.engine_type == "vllm":

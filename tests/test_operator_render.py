@@ -628,6 +628,10 @@ def test_router_replicas_spread_over_nodes_and_zones() -> None:
     for c in spread:  # it selects the router's own pods, and never leaves one unscheduled
         assert c["whenUnsatisfiable"] == "ScheduleAnyway"
         assert c["labelSelector"]["matchLabels"].items() <= labels.items()
-    one = rendered("aggregated-vllm")  # one replica: nothing to spread
+    # one replica renders the same: scaling the router must not roll it
+    one = rendered("aggregated-vllm")
     pod = by_kind(one, "Deployment", "aggregated-vllm-router")["spec"]["template"]
-    assert "topologySpreadConstraints" not in pod["spec"]
+    assert [c["topologyKey"] for c in pod["spec"]["topologySpreadConstraints"]] == [
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    ]
