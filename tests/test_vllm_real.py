@@ -412,7 +412,9 @@ def test_a_first_burst_fills_no_worker_past_its_slots(
         done.set()
         watcher.join()
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.is_error]
-    assert peak["all"] >= burst * 3 // 4, f"not a burst: at most {peak['all']} at once"
+    # more at once than the holder has slots (the rest may wait in the router: flow control
+    # holds what no worker can take now)
+    assert peak["all"] > a.max_num_seqs, f"not a burst: at most {peak['all']} at once"
     assert peak["a"] <= a.max_num_seqs, f"{peak['a']} in flight at a, which has 16 slots"
     on_a = sum(r.headers["x-kvpool-worker"] == "a" for r in answers)
     assert on_a >= a.max_num_seqs // 2, f"only {on_a} of {burst} went to the prefix's holder"
