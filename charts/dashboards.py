@@ -660,7 +660,7 @@ AUTOSCALING = Dashboard(
                 ),
                 Panel(
                     "Active operator replicas",
-                    "Replicas holding the kopf peering (exactly one should).",
+                    "Replicas holding the leader election Lease (exactly one should).",
                     [("sum(kvpool_operator_active)", "active")],
                     kind="stat",
                 ),

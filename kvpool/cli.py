@@ -103,6 +103,10 @@ COMPONENTS = {
 }
 
 
+# What ``kvpool check`` checks as a real API server would (kvpool.operator.standins.CHECKS).
+STAND_INS = ("cel-cost", "pod-validation", "pod-security-restricted", "server-side-apply")
+
+
 def _cmd_crd(args: argparse.Namespace) -> int:
     from .api.crd import crd_yaml
 
@@ -117,26 +121,55 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .api import KIND as API_KIND
-    from .api.manifests import ManifestError, load_pools
+    """Each InferencePool validated as the operator validates it; then, unless skipped, what
+    the API server would check of what the operator applies for it and of every other
+    object in the files (a CRD, the chart's rendered manifests): the stand-ins of
+    ``kvpool.operator.standins`` (the operator component, loaded as ``kvpool operator`` is)."""
+    import importlib
 
+    from .api import KIND as API_KIND
+    from .api.manifests import ManifestError, is_pool, load_documents, load_pools
+
+    checks = [c for c in STAND_INS if c not in set(args.skip or ())]
+    standins = importlib.import_module("kvpool.operator.standins") if checks else None
+    render = importlib.import_module("kvpool.operator.render").render if checks else None
     failed = 0
     for path in args.files:
         try:
-            pools = load_pools(path, allow_host_access=args.allow_host_access)
+            docs = load_documents(path)
+            pools = load_pools(docs, allow_host_access=args.allow_host_access)
         except ManifestError as exc:
             print(f"{path}: {exc}", file=sys.stderr)
             failed += 1
             continue
-        if not pools:
+        others = [d for d in docs if not is_pool(d) and d.get("kind")]
+        if not pools and not others:
+            print(f"{path}: no Kubernetes object in it", file=sys.stderr)
+            failed += 1
+        elif not pools and not checks:
             print(f"{path}: no {API_KIND} (kvpool.io) in it", file=sys.stderr)
             failed += 1
+        namespace = "default"
         for name, spec in pools:
-            # the engine and block size the operator will give it, chosen where unset
-            print(
-                f"{path}: InferencePool {name}: valid (engine {spec.engine_type}, "
-                f"block size {spec.block_size})"
-            )
+            findings = []
+            if standins is not None and render is not None:
+                findings = standins.check_objects(render(name, namespace, spec), checks)
+            for finding in findings:
+                print(f"{path}: InferencePool {name}: {finding}", file=sys.stderr)
+            failed += bool(findings)
+            if not findings:  # the engine and block size the operator gives it, where unset
+                print(f"{path}: InferencePool {name}: valid (engine {spec.engine_type}, "
+                      f"block size {spec.block_size})")  # fmt: skip
+        if standins is not None and others:
+            findings = standins.check_objects(others, checks)
+            for finding in findings:
+                print(f"{path}: {finding}", file=sys.stderr)
+            failed += bool(findings)
+            if not findings:
+                print(f"{path}: {len(others)} other object(s) pass {', '.join(checks)}",
+                      file=sys.stderr)  # fmt: skip
+    if checks and not failed:  # (on stderr: stdout says what each pool is, as it did)
+        print(f"checked as the API server would: {', '.join(checks)}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -266,9 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_crd)
 
     p = sub.add_parser("check", help="validate InferencePool manifests (YAML) as the operator will")
-    p.add_argument("files", nargs="+", help="YAML files; other kinds in them are skipped")
+    p.add_argument("files", nargs="+", help="YAML files (- for standard input)")
     p.add_argument("--allow-host-access", action="store_true", help="accept podTemplates that "
                    "ask for host access, as an operator with allowHostAccess does")  # fmt: skip
+    p.add_argument("--skip", action="append", choices=STAND_INS, metavar="CHECK",
+                   help="leave out one of the API server's checks: " + ", ".join(STAND_INS) +
+                   " (pod-security-restricted: where a namespace does not enforce it)")  # fmt: skip
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("up", help="run a router and N workers on loopback (Ctrl-C stops them)")

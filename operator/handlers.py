@@ -8,8 +8,8 @@
 * one operator thread over every pool: each ``autoscaling.intervalSeconds`` (or the resync
   interval) it scrapes the router and the workers, asks :mod:`kvpool.operator.autoscaler`
   for replicas, applies them (``Active``) or only records them (``Advisory``), and syncs
-  the pool again as a safety net. With two replicas (kopf peering), only the active one
-  runs it (:mod:`kvpool.operator.peering`), as kopf runs the handlers only there.
+  the pool again as a safety net. With two replicas, only the one holding the Lease runs
+  (:mod:`kvpool.operator.leader`): ``kvpool operator run`` starts kopf once it leads.
 * ``/metrics`` (:mod:`kvpool.operator.metrics`), made from what this module keeps of
   each pool, when ``metrics_port`` is set.
 
@@ -24,7 +24,6 @@ import contextvars
 import copy
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,9 +40,9 @@ from kvpool.signing import new_secret
 
 from . import metrics
 from . import settings as settings_module
-from .cluster import AlreadyOwned, Cluster, foreign_owner, merge_patch
-from .peering import PeeringReader, kubernetes_fetch
-from .podcheck import check_children
+from .cluster import AlreadyOwned, ChildCache, Cluster, foreign_owner, merge_patch
+from .leader import LeaderElector
+from .podcheck import check_children, pod_security_warning
 from .render import (
     GENERATED_KEY,
     GROUP_LABEL,
@@ -60,9 +59,11 @@ from .status import Observed, build_status
 log = logging.getLogger(__name__)
 
 SETTINGS: settings_module.OperatorSettings | None = None
-IDENTITY: str | None = None  # this replica's kopf peer id, as ``kvpool operator run`` passed it
 _cluster: Cluster | None = None
 _cluster_lock = threading.Lock()
+# The pools' children as kopf's watches deliver them (see child_changed): syncs read them
+# here, and prune finds what to delete here, instead of asking the API server each time.
+CHILDREN = ChildCache()
 
 
 def operator_settings() -> settings_module.OperatorSettings:
@@ -76,7 +77,7 @@ def cluster() -> Cluster:
     global _cluster
     with _cluster_lock:
         if _cluster is None:
-            _cluster = Cluster()
+            _cluster = Cluster(cache=CHILDREN)
         return _cluster
 
 
@@ -91,6 +92,11 @@ class PoolRuntime:
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending: bool = False  # a sync was asked for: the one running does one more round
     pending_prune: bool = False
+    pending_fresh: bool = False
+    fresh_at: float | None = None  # when a resync last read the children from the API server
+    # (pool uid, generation) whose pool secret is known to exist: it is created (or found
+    # to exist) once per spec generation; the operator cannot read Secrets to look.
+    secret_checked: tuple[str, int] | None = None
     failures: int = 0  # syncs in a row whose apply failed (the retry's backoff)
     # Events for a person (kubectl describe): the autoscaler's decisions wait here to be
     # posted; a warning is posted once per new message, not at every resync.
@@ -133,6 +139,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _cluster
     with _cluster_lock:
         _cluster = None  # made at first use, from the credentials of this run
+    CHILDREN.clear()  # filled again by this run's watches
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kvpool.io", key="last-handled-configuration"
@@ -141,47 +148,44 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     for group, _version, plural in _CHILD_KINDS:
         settings.watching.label_selectors[group, plural] = CHILD_SELECTOR
     settings.execution.max_workers = 8
-    ops = operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
-    settings.peering.lifetime = ops.peering_lifetime_s
+    operator_settings()  # a bad KVPOOL_OPERATOR_* value stops the start here, named
 
 
 def _configure_peering(
     settings: kopf.OperatorSettings, ops: settings_module.OperatorSettings
 ) -> None:
-    """Standalone: active. With peering: active while the peering object says so."""
-    global _peering, _active
-    if settings.peering.standalone:
-        _peering, _active = None, True
-        return
-    identity = IDENTITY or os.environ.get("POD_ID")
-    if identity is None:
-        log.warning("peering %r: this replica's peer id is unknown (set POD_ID, or start it "
-                    "with kvpool operator run): a live peer of equal priority may be this "
-                    "one, so only a higher one pauses the loop", settings.peering.name)  # fmt: skip
-    _peering = PeeringReader(
-        kubernetes_fetch(lambda: cluster().client, settings.peering.name),
-        identity,
-        settings.peering.priority,
-        namespaces=None if settings.peering.clusterwide else ops.namespace or None,
-        mandatory=settings.peering.mandatory,
-        lifetime_s=settings.peering.lifetime,
-    )
-    _active = False
+    """Which replica acts is decided by the Lease that ``kvpool operator run`` holds before
+    it starts kopf (:data:`LEADER`; none: this process acts alone). kopf's own peering would
+    pause kopf's handlers but not this module's loop, and judges a peer's age by comparing
+    its timestamp with the local clock: it is refused."""
+    global _active
+    if not settings.peering.standalone:
+        message = (f"kopf peering {settings.peering.name!r} is not how kvpool replicas take "
+                   "turns: run `kvpool operator run` with KVPOOL_OPERATOR_LEASE_NAME, or kopf "
+                   "with --standalone")  # fmt: skip
+        if settings.peering.mandatory:
+            raise kopf.PermanentError(message)
+        log.warning("%s; the operator's loop ignores kopf peering", message)
+    _active = LEADER is None or LEADER.is_leader()
+    if ops.lease() is not None and LEADER is None:
+        log.warning("lease %s/%s is set but this process did not take it (started by `kopf "
+                    "run`?): it acts alone", *ops.lease())  # fmt: skip
 
 
-# --- which replica is active (kopf peering) -------------------------------------------------
+# --- which replica is active (the Lease) ----------------------------------------------------
 
-_peering: PeeringReader | None = None  # None: standalone
+LEADER: LeaderElector | None = None  # set by ``kvpool operator run``; None: acts alone
 _active = False
 
 
 def active() -> bool:
-    """Whether this replica may act now (read at most once a second with peering). A
-    replica that takes over forgets its autoscalers' memory: the pools' status holds what
-    the replica active meanwhile decided, and each restores from it."""
+    """Whether this replica may act now: it holds the Lease and renewed it within the renew
+    deadline (``kvpool operator run`` exits soon after that fails). A replica that takes
+    over forgets its autoscalers' memory: the pools' status holds what the replica active
+    meanwhile decided, and each restores from it."""
     global _active
     was = _active
-    _active = True if _peering is None else _peering.active()
+    _active = LEADER is None or LEADER.is_leader()
     if _active and not was:
         with _pools_lock:
             for rt in _pools.values():
@@ -201,12 +205,22 @@ def _describe_api_error(exc: ApiException, child: dict[str, Any]) -> str:
     return f"{child['kind']} {child['metadata']['name']}: {exc.status} {message}"
 
 
-def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: bool = True) -> None:
+def sync(
+    namespace: str,
+    name: str,
+    body: dict[str, Any] | None = None,
+    prune: bool = True,
+    fresh: bool = False,
+) -> None:
     """Bring the pool's children in line with its spec and write its status. Concurrent
     calls for one pool coalesce, and none is lost: a call that finds one running marks one
-    more round, and the runner looks for that mark again after letting go of the lock."""
+    more round, and the runner looks for that mark again after letting go of the lock.
+    ``fresh``: read the children from the API server, not the watches' cache."""
+    if LEADER is not None and not LEADER.is_leader():  # it lost its Lease: no more writes
+        return
     rt = runtime(namespace, name)
     rt.pending_prune = rt.pending_prune or prune
+    rt.pending_fresh = rt.pending_fresh or fresh
     rt.pending = True
     while rt.pending:
         if not rt.lock.acquire(blocking=False):
@@ -214,19 +228,25 @@ def sync(namespace: str, name: str, body: dict[str, Any] | None = None, prune: b
         try:
             while rt.pending:
                 rt.pending, prune, rt.pending_prune = False, rt.pending_prune, False
-                _timed_sync_once(namespace, name, body, prune, rt)
+                fresh, rt.pending_fresh = rt.pending_fresh, False
+                _timed_sync_once(namespace, name, body, prune, rt, fresh)
                 body = None  # later rounds read the pool afresh
         finally:
             rt.lock.release()
 
 
 def _timed_sync_once(
-    namespace: str, name: str, body: dict[str, Any] | None, prune: bool, rt: PoolRuntime
+    namespace: str,
+    name: str,
+    body: dict[str, Any] | None,
+    prune: bool,
+    rt: PoolRuntime,
+    fresh: bool = False,
 ) -> None:
     started = time.perf_counter()
     result: str | None = "error"
     try:
-        result = _sync_once(namespace, name, body, prune, rt)
+        result = _sync_once(namespace, name, body, prune, rt, fresh)
     finally:
         if result is not None:
             metrics.RECONCILES.labels(result).inc()
@@ -320,7 +340,12 @@ def _worker_replicas(
 
 
 def _sync_once(
-    namespace: str, name: str, body: dict[str, Any] | None, prune: bool, rt: PoolRuntime
+    namespace: str,
+    name: str,
+    body: dict[str, Any] | None,
+    prune: bool,
+    rt: PoolRuntime,
+    fresh: bool = False,
 ) -> str | None:
     """One reconcile; its result for the metrics (ok, invalid, error), or None when the
     pool is gone."""
@@ -341,6 +366,7 @@ def _sync_once(
         children = render(name, namespace, spec, settings.images(), settings.peers())
         check_children(children)
         error = None
+        _warn_once(rt, body, "PodSecurity", pod_security_warning(children))
     except ValueError as exc:
         spec, error = None, str(exc)
         log.warning("InferencePool %s/%s: invalid spec, children left as they are: %s",
@@ -349,6 +375,7 @@ def _sync_once(
 
     deployments: dict[str, Any] = {}
     apply_error = owner_error = None
+    secret = previous.get("poolSecret")  # the pool secret the operator made: name and uid
     if spec is not None:
         owner = {
             "apiVersion": API_VERSION,
@@ -357,7 +384,9 @@ def _sync_once(
         }
         kopf.append_owner_reference(children, owner=owner)
         try:
-            lives = [c.read(child) for child in children]
+            lives = [
+                None if _generated(child) else c.read_cached(child, fresh) for child in children
+            ]
         except ApiException as exc:
             lives, apply_error = [], f"reading the children: {exc.status} {exc.reason}"
         taken = [
@@ -365,22 +394,30 @@ def _sync_once(
             for child, live in zip(children, lives, strict=False)
             if live is not None and (who := foreign_owner(live, name, meta["uid"]))
         ]
+        changed = []
+        if lives and not taken:  # the pool secret first: a name taken stops the rest
+            try:
+                secret, made = _ensure_pool_secret(c, rt, body, children)
+            except ApiException as exc:
+                secret, apply_error = previous.get("poolSecret"), _describe_api_error(
+                    exc, next(ch for ch in children if _generated(ch)))  # fmt: skip
+            except AlreadyOwned as exc:
+                taken.append(str(exc))
+            else:
+                changed += made
         if taken:  # another's object: touch none, so that nothing half-made serves
             owner_error = "; ".join(taken) + " (delete or rename it)"
             log.error("InferencePool %s/%s: %s", namespace, name, owner_error)
         elif lives:
             children = keep_default_images(children, lives)
-        changed = []
         for child, live in zip(children, lives, strict=False):
             if owner_error:
                 break
+            if _generated(child):
+                continue
             replicas = _worker_replicas(spec, child, live)
             try:
-                if _generated(child):  # the pool secret: made once, never written again
-                    if live is None:
-                        live = c.create_once(with_generated_key(child))
-                        changed.append(f"{child['kind']} {child['metadata']['name']}")
-                elif not c.converged(live, child):  # the usual case, unchanged: no apply
+                if not c.converged(live, child):  # the usual case, unchanged: no apply
                     live = c.apply(child, live, create_replicas=replicas)
                     changed.append(f"{child['kind']} {child['metadata']['name']}")
                 if replicas is not None:
@@ -399,7 +436,11 @@ def _sync_once(
             post_event(body, "Normal", "Applied", "applied " + ", ".join(changed))
         if prune and not (apply_error or owner_error):
             try:
-                pruned = c.prune(namespace, name, meta["uid"], children)
+                pruned = c.prune(namespace, name, meta["uid"], children, fresh)
+                if secret is not None and not any(_generated(ch) for ch in children):
+                    if c.delete_made(_secret_object(namespace, secret["name"]), secret["uid"]):
+                        pruned.append(f"Secret/{secret['name']}")
+                    secret = None
             except ApiException as exc:
                 pruned, apply_error = [], f"pruning: {exc.status} {exc.reason}"
             if pruned:
@@ -426,6 +467,7 @@ def _sync_once(
         cache=rt.cache,
     )
     status = build_status(spec, observed, previous, now(), endpoint)
+    status["poolSecret"] = secret
     patch = status_patch(previous, status)
     if patch:
         c.patch_status(namespace, name, patch)
@@ -443,6 +485,50 @@ def _autoscaler_status(
     if spec is None or (spec.autoscaling.enabled and rt.autoscaler_status is None):
         return previous.get("autoscaler")
     return rt.autoscaler_status
+
+
+def _secret_object(namespace: str, name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace}}  # fmt: skip
+
+
+def _ensure_pool_secret(
+    c: Cluster, rt: PoolRuntime, pool: dict[str, Any], children: list[dict[str, Any]]
+) -> tuple[dict[str, str] | None, list[str]]:
+    """Create the pool secret when the pool has one made for it; its record for
+    ``status.poolSecret`` (name and uid: how the operator, which may not read Secrets, knows
+    it made it, and what it may delete), and what was created, in words.
+
+    A create is sent once per spec generation (in each operator process): a 409 says that
+    one exists. It is the pool's when the pool's status records it, or when the pool was
+    synced before by an operator that kept no record (made by it, then); else someone
+    else's, and :class:`AlreadyOwned` is raised. A pool secret deleted by hand is made
+    again, with a new key, at the pool's next spec change or the operator's restart."""
+    meta = pool["metadata"]
+    previous = pool.get("status") or {}
+    record = previous.get("poolSecret")
+    child = next((ch for ch in children if _generated(ch)), None)
+    if child is None:
+        return record, []
+    name = child["metadata"]["name"]
+    if record is not None and record.get("name") != name:
+        record = None
+    checked = (meta["uid"], int(meta.get("generation", 0) or 0))
+    if rt.secret_checked == checked:
+        return record, []
+    made = c.create_once(with_generated_key(child))
+    if made is not None:
+        record = {"name": name, "uid": made["metadata"].get("uid", "")}
+        # recorded at once: a restart before the sync's status write would find a Secret it
+        # made and no record of it, and take it for another's
+        c.patch_status(meta["namespace"], meta["name"], {"poolSecret": record})
+        rt.secret_checked = checked
+        return record, [f"Secret {name}"]
+    if record is None and previous.get("observedGeneration") is None:
+        raise AlreadyOwned(child, "not one the operator made for this pool (it cannot read "
+                           "Secrets to tell whose it is)")  # fmt: skip
+    rt.secret_checked = checked
+    return record, []
 
 
 def _generated(child: dict[str, Any]) -> str | None:
@@ -571,6 +657,7 @@ _CHILD_KINDS = (
 
 def child_changed(event: dict[str, Any], body: kopf.Body, namespace: str, **_: Any) -> None:
     """A child was added, changed or deleted (by us, by its controller or by hand)."""
+    CHILDREN.seen(_plain(body), deleted=event.get("type") == "DELETED")
     labels = body.get("metadata", {}).get("labels") or {}
     owners = body.get("metadata", {}).get("ownerReferences") or []
     pool = labels.get(POOL_LABEL)
@@ -599,6 +686,7 @@ for _group, _version, _plural in _CHILD_KINDS:
 _due: dict[tuple[str, str], float] = {}
 _retry: dict[tuple[str, str], float] = {}  # pools whose last apply failed: when to try again
 RETRY_MAX_S = 60.0
+FRESH_ROUNDS = 10  # a resync in this many reads the children from the API server
 _loop_stop = threading.Event()
 _loop_thread: threading.Thread | None = None
 
@@ -674,7 +762,14 @@ def tick(namespace: str, name: str) -> float:
             rt.autoscaler_status, rt.slo, rt.autoscaling, rt.scaler = None, None, None, None
             rt.recommended, rt.latency = {}, {}
             cache_step(cluster(), namespace, name, rt, settings.scrape_timeout_s)
-        sync(namespace, name)  # reads the pool again: the scrape may have taken seconds
+        # Now and then (every FRESH_ROUNDS resyncs) the children are read from the API
+        # server, not the watches' cache: what a watch missed while kopf re-listed (an
+        # object deleted meanwhile sends no event) is found within minutes.
+        now_s = time.monotonic()
+        fresh = rt.fresh_at is None or now_s - rt.fresh_at >= FRESH_ROUNDS * interval
+        if fresh:
+            rt.fresh_at = now_s
+        sync(namespace, name, fresh=fresh)  # reads the pool again: the scrape took seconds
     except Exception:  # the next round tries again; the pool keeps serving
         log.exception("InferencePool %s/%s: periodic round failed", namespace, name)
     return interval

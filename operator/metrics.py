@@ -84,7 +84,7 @@ class OperatorCollector(Collector):
         view = self.snapshot()
         yield GaugeMetricFamily(
             "kvpool_operator_active",
-            "1 while this replica is the active one (standalone, or holding the peering)",
+            "1 while this replica is the active one (alone, or holding the leader election Lease)",
             value=1 if view.active else 0,
         )
         pool_labels = ["namespace", "pool"]

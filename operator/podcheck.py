@@ -19,18 +19,20 @@ from collections.abc import Iterable
 from importlib import resources
 from typing import Any
 
-KUBERNETES_VERSION = "1.37.0"  # the newest schema kubernetes-validate 1.37 ships
+from .standins import KUBERNETES_VERSION, check_objects
+
 # The API server drops unknown fields with a warning (fieldValidation=Warn, its default) but
 # refuses wrong types and missing required fields: so does the non-strict schema.
 _SCHEMAS = f"kubernetes-json-schema/v{KUBERNETES_VERSION}-local"
 _MAX_MESSAGE = 200
-_CONTAINER_LISTS = ("containers", "initContainers")
 
 
 def check_children(children: list[dict[str, Any]]) -> None:
-    """Raise ValueError naming each rendered Deployment that the API server would refuse:
+    """Raise ValueError naming each rendered child that the API server would refuse:
     ``Deployment tiny-decode: spec.template.spec.containers[0].ports[0].containerPort: 'abc'
-    is not of type 'integer'``. Other kinds are the operator's own rendering, unchecked."""
+    is not of type 'integer'``. Deployments against the schema, then every child against
+    the stand-ins of the API server's pod validation and server-side apply
+    (:mod:`.standins`)."""
     problems = []
     for child in children:
         if child.get("kind") != "Deployment":
@@ -39,33 +41,32 @@ def check_children(children: list[dict[str, Any]]) -> None:
         if problem:
             name = (child.get("metadata") or {}).get("name", "?")
             problems.append(f"Deployment {name}: {problem}")
+    if not problems:
+        findings = check_objects(children, ("pod-validation", "server-side-apply"))
+        problems = [f"{f.obj}: {f.path}: {f.message}" for f in findings]
     if problems:
         raise ValueError("; ".join(problems))
 
 
+def pod_security_warning(children: list[dict[str, Any]]) -> str | None:
+    """What of the rendered pods Pod Security "restricted" would refuse, in words (None:
+    nothing). Not a refusal: only a namespace that enforces the profile refuses them, and
+    then the pool's status shows the Deployment's FailedCreate."""
+    findings = check_objects(children, ("pod-security-restricted",))
+    if not findings:
+        return None
+    return ("in a namespace enforcing Pod Security \"restricted\", these pods would be "
+            "refused: " + "; ".join(f"{f.obj}: {f.path}: {f.message}" for f in findings[:8])
+            + (f" (and {len(findings) - 8} more)" if len(findings) > 8 else ""))  # fmt: skip
+
+
 def _problem(deployment: dict[str, Any]) -> str | None:
-    """The most relevant schema error of a Deployment, else its first pod problem."""
+    """The most relevant schema error of a Deployment."""
     import jsonschema
 
     error = jsonschema.exceptions.best_match(_validator().iter_errors(deployment))
     if error is not None:
         return f"{_path(error.absolute_path)}: {_short(error.message)}"
-    return _pod_problem(deployment)
-
-
-def _pod_problem(deployment: dict[str, Any]) -> str | None:
-    """What the API server checks beyond the schema that a merged template gets wrong most:
-    a container without an image, a mount of a volume the pod does not have."""
-    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
-    volumes = {v.get("name") for v in pod.get("volumes") or ()}
-    for key in _CONTAINER_LISTS:
-        for i, container in enumerate(pod.get(key) or ()):
-            path = f"spec.template.spec.{key}[{i}]"
-            if not container.get("image"):
-                return f"{path}.image: required (container {container.get('name')!r})"
-            for j, mount in enumerate(container.get("volumeMounts") or ()):
-                if mount.get("name") not in volumes:
-                    return f"{path}.volumeMounts[{j}].name: no volume {mount.get('name')!r}"
     return None
 
 

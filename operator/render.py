@@ -38,6 +38,8 @@ from kvpool.api.inferencepool import (
 )
 from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION, ONE_OF, PROBES
 
+from .standins import list_map_keys
+
 Manifest = dict[str, Any]
 
 MANAGED_BY = "kvpool-operator"
@@ -194,7 +196,9 @@ def model_dir(spec: InferencePoolSpec) -> str:
 # Our images (router, kvpool worker) run as uid 65532 and write only under /tmp (HOME and the
 # Hugging Face caches point there), so their pods run restricted: non-root, read-only root
 # filesystem, no capabilities, an emptyDir at /tmp. vLLM's image runs as root and writes to
-# its home directory: its pods are left as vLLM ships them.
+# its home directory: its pods run restricted too (Pod Security "restricted" admits them),
+# as uid 65532, with HOME and every cache vLLM, PyTorch and Triton write pointed at /tmp, and
+# a writable root filesystem (vLLM's kernels may compile into site-packages' caches).
 POD_SECURITY: Manifest = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY: Manifest = {
     "allowPrivilegeEscalation": False,
@@ -206,15 +210,36 @@ CONTAINER_SECURITY: Manifest = {
 NON_ROOT_UID = 65532
 TMP_VOLUME: Manifest = {"name": "tmp", "emptyDir": {}}
 TMP_MOUNT: Manifest = {"name": "tmp", "mountPath": "/tmp"}
+# Where a root image's programs write, moved to /tmp: HOME (~/.cache/vllm, ~/.triton,
+# ~/.config), the XDG directories, PyTorch's compile cache (found by user name, which uid
+# 65532 has none of in /etc/passwd: USER names it).
+ROOT_IMAGE_ENV: list[Manifest] = [
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "USER", "value": "kvpool"},
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    {"name": "XDG_CONFIG_HOME", "value": "/tmp/.config"},
+    {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/tmp/torchinductor"},
+]
 
 
-def _restrict(pod_spec: Manifest) -> None:
-    """Run every container of ``pod_spec`` restricted, each with a writable /tmp."""
+def _restrict(pod_spec: Manifest, root_image: bool = False) -> None:
+    """Run every container of ``pod_spec`` restricted, each with a writable /tmp.
+    ``root_image``: the images run as root (vLLM's): the pod runs them as uid and gid 65532,
+    with HOME and the caches under /tmp, and their root filesystem writable."""
     pod_spec["securityContext"] = copy.deepcopy(POD_SECURITY)
+    if root_image:
+        pod_spec["securityContext"].update(
+            runAsUser=NON_ROOT_UID, runAsGroup=NON_ROOT_UID, fsGroup=NON_ROOT_UID
+        )
     pod_spec["volumes"] = [*pod_spec.get("volumes", []), copy.deepcopy(TMP_VOLUME)]
     for c in pod_spec["containers"] + pod_spec.get("initContainers", []):
         c["securityContext"] = copy.deepcopy(CONTAINER_SECURITY)
         c["volumeMounts"] = [*c.get("volumeMounts", []), copy.deepcopy(TMP_MOUNT)]
+        if root_image:
+            c["securityContext"]["readOnlyRootFilesystem"] = False
+            have = {e.get("name") for e in c.get("env") or ()}
+            c["env"] = [*c.get("env", []), *(copy.deepcopy(e) for e in ROOT_IMAGE_ENV
+                                              if e["name"] not in have)]  # fmt: skip
 
 
 def _model_volume(spec: InferencePoolSpec) -> Manifest | None:
@@ -548,6 +573,24 @@ STARTUP_PROBES = 180  # every 10 s: 30 min to load the weights
 #: is shorter than a worker's startup window, so every large model's rollout "failed". The
 #: window, and as long again for what comes before it (a ~10 GB image, a model download)
 PROGRESS_DEADLINE_S = STARTUP_PROBES * 10 + 1800
+PRE_START_S = 1800  # what comes before the startup window: image pull, model download
+
+
+def progress_deadline(template: Manifest) -> int:
+    """A pod template's progress deadline: its longest startup window (a startup probe's
+    initial delay plus period times failure threshold, the kubelet's defaults where unset;
+    a podTemplate may lengthen ours), and :data:`PRE_START_S` before it."""
+    window = 0
+    for container in (template.get("spec") or {}).get("containers") or ():
+        probe = container.get("startupProbe") if isinstance(container, dict) else None
+        if isinstance(probe, dict):
+            try:
+                window = max(window, int(probe.get("initialDelaySeconds") or 0)
+                             + int(probe.get("periodSeconds") or 10)
+                             * int(probe.get("failureThreshold") or 3))  # fmt: skip
+            except (TypeError, ValueError):  # the schema check names it
+                continue
+    return max(window, STARTUP_PROBES * 10) + PRE_START_S
 
 
 def _scrape_annotations(port: int) -> dict[str, str]:
@@ -624,9 +667,8 @@ def worker_deployment(
     init = _model_init(spec, images, container)
     _add_pod_parts(pod_spec, [init] if init else [], volumes, role_spec, role_spec.affinity)
     _add_pull_secrets(pod_spec, engine.image_pull_secrets)
-    if spec.engine_type == "kvpool":
-        _restrict(pod_spec)
-        _cache_claim_writable(spec, pod_spec)
+    _restrict(pod_spec, root_image=spec.engine_type == "vllm")
+    _cache_claim_writable(spec, pod_spec)
 
     selector = selector_labels(pool, "worker", role)
     template: Manifest = {
@@ -666,13 +708,16 @@ def worker_deployment(
         "spec": {
             **replicas,
             "selector": {"matchLabels": selector},
-            "progressDeadlineSeconds": PROGRESS_DEADLINE_S,
+            "progressDeadlineSeconds": progress_deadline(template),
             "strategy": {
                 "type": "RollingUpdate",
-                "rollingUpdate": {
-                    "maxSurge": rollout.max_surge,
-                    "maxUnavailable": rollout.max_unavailable,
-                },
+                "rollingUpdate": dict(
+                    zip(
+                        ("maxSurge", "maxUnavailable"),
+                        rollout.strategy(role in spec.gpus()),
+                        strict=True,
+                    )
+                ),
             },
             "template": template,
         },
@@ -1129,8 +1174,10 @@ def router_endpoint(pool: str, namespace: str, spec: InferencePoolSpec) -> str:
 
 
 def merge_template(base: Manifest, override: Manifest, _within: str = "") -> Manifest:
-    """``override`` (a partial pod template) deep-merged over ``base``: maps key by key, lists
-    of named things (containers, volumes, env, ports) by name, other lists replaced. Where
+    """``override`` (a partial pod template) deep-merged over ``base``: maps key by key, the
+    associative lists by their keys as the API server merges them (containers, volumes and
+    env by name, ports by containerPort and protocol, volume mounts by mountPath: see
+    :data:`MERGE_KEYS`), other lists replaced. Where
     Kubernetes allows one of several fields (a probe's or hook's handler, a volume's source,
     an env var's value or valueFrom and its kind), an override that names one replaces the
     base's other: merged key by key, both would stand, and the API server refuses that."""
@@ -1144,11 +1191,18 @@ def merge_template(base: Manifest, override: Manifest, _within: str = "") -> Man
         mine = out.get(key)
         if isinstance(mine, dict) and isinstance(value, dict):
             out[key] = merge_template(mine, value, _one_of_kind(_within, key))
-        elif isinstance(mine, list) and isinstance(value, list) and _named(mine) and _named(value):
-            theirs = {item["name"]: item for item in value}
+        elif isinstance(mine, list) and isinstance(value, list) and _keyed(key, mine, value):
+            keys = MERGE_KEYS[key]
+            theirs = list(value)  # an override's own repeated key stays, for the checks
             kind = key if key in ("volumes", "env") else ""
-            out[key] = [merge_template(i, theirs.pop(i["name"], {}), kind) for i in mine]
-            out[key] += [copy.deepcopy(i) for i in theirs.values()]
+            merged = []
+            for item in mine:
+                match = next((t for t in theirs if _item_key(keys, t) == _item_key(keys, item)),
+                             None)  # fmt: skip
+                if match is not None:
+                    theirs.remove(match)
+                merged.append(merge_template(item, match or {}, kind))
+            out[key] = merged + [copy.deepcopy(i) for i in theirs]
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -1166,8 +1220,48 @@ def _one_of_kind(within: str, key: str) -> str:
     return ""
 
 
-def _named(items: list[Any]) -> bool:
-    return all(isinstance(i, dict) and "name" in i for i in items)
+# The associative lists of a pod template and their keys, as the API server merges them
+# (server-side apply's x-kubernetes-list-map-keys, read from the Kubernetes schema): a
+# volume mount is its mountPath, a port its containerPort and protocol. Other lists are
+# atomic: an override replaces them whole.
+MERGE_KEYS: dict[str, tuple[str, ...]] = {
+    field: keys
+    for definition, fields in (
+        (
+            "io.k8s.api.core.v1.PodSpec",
+            (
+                "containers",
+                "initContainers",
+                "ephemeralContainers",
+                "volumes",
+                "imagePullSecrets",
+                "hostAliases",
+                "topologySpreadConstraints",
+                "resourceClaims",
+                "schedulingGates",
+            ),
+        ),
+        ("io.k8s.api.core.v1.Container", ("env", "ports", "volumeMounts", "volumeDevices")),
+    )
+    for field in fields
+    if (keys := list_map_keys(definition, field))
+}
+_KEY_DEFAULTS = {"protocol": "TCP"}  # defaulted by the API server before it merges
+
+
+def _item_key(keys: tuple[str, ...], item: Any) -> tuple[Any, ...]:
+    return tuple(str(item.get(k, _KEY_DEFAULTS.get(k))) for k in keys)
+
+
+def _keyed(field: str, *lists: list[Any]) -> bool:
+    """Whether both lists merge item by item: an associative list whose items all have
+    their keys (else the override replaces it, and the checks say what is wrong)."""
+    keys = MERGE_KEYS.get(field)
+    return keys is not None and all(
+        isinstance(i, dict) and all(k in i or k in _KEY_DEFAULTS for k in keys)
+        for items in lists
+        for i in items
+    )
 
 
 # --- operator upgrades ----------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -12,10 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from kvpool.api.inferencepool import LabelSelector, NetworkPolicyPeer
 from kvpool.settings_cli import build_settings, settings_values
 
+from .leader import LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S, check_durations
 from .render import DEFAULT_METRICS_FROM, Images, Peers
 
 ENV_PREFIX = "KVPOOL_OPERATOR_"
-MAX_PRIORITY = 2**31 - 1
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _DEFAULT_IMAGES = Images()
 
 
@@ -34,13 +34,17 @@ class OperatorSettings(BaseModel):
     # Pools' podTemplates may ask for host access (privileged, host namespaces, hostPath,
     # hostPort): off, whoever may create a pool cannot get this operator's rights through one.
     allow_host_access: bool = False
-    # kopf peering: two replicas of the operator with the same name take turns, one active
-    peering: str | None = None
-    # The highest live priority is the active replica; equal priorities freeze every replica,
-    # so unset means a random one, chosen at start (see :func:`peer_priority`).
-    priority: int | None = Field(None, ge=0, le=MAX_PRIORITY)
-    # how long a replica that stopped sending keep-alives counts as alive (kopf's lifetime)
-    peering_lifetime_s: int = Field(60, ge=1, le=3600)
+    # Leader election: the replicas share this coordination.k8s.io/v1 Lease, and only its
+    # holder acts (see kvpool.operator.leader). Unset: no election, this process acts alone.
+    lease_name: str | None = Field(None, min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN)
+    # Where the Lease lives; unset: pod_namespace.
+    lease_namespace: str | None = Field(None, min_length=1, max_length=63)
+    # client-go's three durations: how long a holding lasts without renewal (judged on each
+    # replica's own clock), how long the holder keeps trying to renew before it stops, how
+    # often it renews (and a candidate tries).
+    lease_duration_s: float = Field(LEASE_DURATION_S, gt=0, le=3600)
+    renew_deadline_s: float = Field(RENEW_DEADLINE_S, gt=0, le=3600)
+    retry_period_s: float = Field(RETRY_PERIOD_S, gt=0, le=3600)
     liveness_port: int | None = Field(None, ge=1, le=65535)
     # Prometheus /metrics of the operator itself; 0: a free port (logged); unset: not served
     metrics_port: int | None = Field(None, ge=0, le=65535)
@@ -60,12 +64,19 @@ class OperatorSettings(BaseModel):
         self.peers()  # a bad selector or peer list is named here, at start-up
         return self
 
-    def peer_priority(self) -> int:
-        """The priority given, or a random one: two replicas drawing from two billion values
-        do not tie in practice, and a tie would pause both (kopf's rule)."""
-        if self.priority is not None:
-            return self.priority
-        return random.SystemRandom().randint(1, MAX_PRIORITY)
+    @model_validator(mode="after")
+    def _check_lease(self) -> OperatorSettings:
+        if self.lease_name is not None and self.lease() is None:
+            raise ValueError("lease_name: give lease_namespace (or pod_namespace) as well")
+        check_durations(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
+        return self
+
+    def lease(self) -> tuple[str, str] | None:
+        """(namespace, name) of the leader election Lease; None: no election."""
+        namespace = self.lease_namespace or self.pod_namespace
+        if self.lease_name is None or namespace is None:
+            return None
+        return namespace, self.lease_name
 
     def peers(self) -> Peers:
         """Who the pools' NetworkPolicies let in besides their own pods."""

@@ -25,7 +25,7 @@ from kvpool.api import API_VERSION, KIND, validate_pool
 from kvpool.api import inferencepool as ip
 from kvpool.api.crd import PRINTER_COLUMNS, crd_yaml, custom_resource_definition
 from kvpool.api.rules import Rule, RuledModel
-from kvpool.cli import main
+from kvpool.cli import STAND_INS, main
 
 CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "inferencepool.yaml"
 CRD = custom_resource_definition()
@@ -548,11 +548,6 @@ INVALID = {
         spec_with(decode={"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}}),
         ["both be zero"],
     ),
-    "no surge, default unavailable": (
-        "p",
-        spec_with(decode={"rollout": {"maxSurge": "00%"}}),
-        ["both be zero"],
-    ),
     "prefill rollout": (
         "p",
         spec_with(
@@ -957,7 +952,10 @@ def test_a_minimal_pool_gets_the_documented_defaults() -> None:
     assert (pool.engine.kv_events.port, pool.engine.kv_events.replay_port) == (5557, 5558)
     assert pool.prefill is None
     assert pool.decode.replicas == 1
-    assert (pool.decode.rollout.max_surge, pool.decode.rollout.max_unavailable) == (1, 0)
+    # a roll-out the operator chooses: one that finishes on a full cluster (see test_render)
+    assert (pool.decode.rollout.max_surge, pool.decode.rollout.max_unavailable) == (None, None)
+    assert pool.decode.rollout.strategy(gpu=False) == (1, 0)
+    assert pool.decode.rollout.strategy(gpu=True) == (0, 1)
     assert pool.router.replicas == 1 and pool.router.policy == "kvpool"
     assert pool.router.service.type == "ClusterIP" and pool.router.service.port == 80
     assert pool.slo is None
@@ -1054,7 +1052,13 @@ def test_check_accepts_a_valid_pool_and_skips_other_kinds(tmp_path: Path, capsys
     assert out.splitlines() == [
         f"{tmp_path / 'pool.yaml'}: InferencePool tiny: valid (engine kvpool, block size 16)"
     ]
-    assert err == ""
+    # the ConfigMap is checked as the API server would check it (kvpool.operator.standins)
+    assert err.splitlines() == [
+        f"{tmp_path / 'pool.yaml'}: 1 other object(s) pass cel-cost, pod-validation, "
+        "pod-security-restricted, server-side-apply",
+        "checked as the API server would: cel-cost, pod-validation, pod-security-restricted, "
+        "server-side-apply",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -1131,8 +1135,14 @@ def test_check_says_when_a_file_holds_no_pool(
 ) -> None:
     path = tmp_path / "other.yaml"
     path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
-    assert main(["check", str(path)]) == 1
+    assert main(["check", str(path)]) == 0  # checked as the API server would check it
+    assert f"{path}: 1 other object(s) pass" in capsys.readouterr().err
+    skip_all = [a for c in STAND_INS for a in ("--skip", c)]
+    assert main(["check", *skip_all, str(path)]) == 1
     assert "no InferencePool (kvpool.io) in it" in capsys.readouterr().err
+    path.write_text("# nothing\n")
+    assert main(["check", str(path)]) == 1
+    assert "no Kubernetes object in it" in capsys.readouterr().err
 
 
 def test_prefill_is_not_autoscaled_in_an_aggregated_pool() -> None:

@@ -2,23 +2,20 @@
 
 ``helm template`` runs once per value set (a module fixture); every rendered object is
 validated against the Kubernetes schemas (``kubernetes-validate``, strict). The custom kinds
-those schemas do not know are checked another way:
+those schemas do not know (``ServiceMonitor`` / ``PodMonitor``) are checked against the
+subset of prometheus-operator's ``monitoring.coreos.com/v1`` schema the chart uses, closed
+(``additionalProperties`` false), so a misspelt field fails; their metadata against
+Kubernetes' ObjectMeta.
 
-* ``ClusterKopfPeering`` / ``KopfPeering``: against the chart's own peering CRDs (group,
-  version, kind, scope and the CRD's OpenAPI schema), whose group, version and plurals are
-  in turn checked against the selectors kopf itself looks for;
-* ``ServiceMonitor`` / ``PodMonitor``: against the subset of prometheus-operator's
-  ``monitoring.coreos.com/v1`` schema the chart uses, closed (``additionalProperties``
-  false), so a misspelt field fails; their metadata against Kubernetes' ObjectMeta.
-
-The RBAC rules are compared with what the operator does: the real operator (kopf and
-``kvpool.operator.handlers``) runs against kmock's Kubernetes emulator with the chart's
-peering object, settings and namespaces, and takes a pool through creation, a hand edit of
+The RBAC rules are compared with what the operator does: the real operator (its leader
+election, kopf and ``kvpool.operator.handlers``) runs against kmock's Kubernetes emulator
+with the chart's settings and namespaces, and takes a pool through creation, a hand edit of
 each child (patched back), and a change that prunes a role and an outdated child of each
 kind; every request the emulator saw becomes a needed (group, resource, verb). The
 autoscaler's calls, the permissions the operator grants to routers (Kubernetes lets it grant
 only what it holds) and kopf's Events are added. The chart must grant every need, in the
-right scope, and nothing else.
+right scope, and nothing else. The RBAC tables of README.md and charts/README.md are read
+and compared with the rendered rules, so that they say what the chart grants.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +45,9 @@ from kvpool.api.manifests import load_pools
 from kvpool.devtools import helm
 from kvpool.operator import handlers
 from kvpool.operator import settings as operator_settings
+from kvpool.operator.cli import leader_elector
 from kvpool.operator.cluster import KINDS, Cluster
+from kvpool.operator.leader import Leadership
 from kvpool.operator.render import (
     DEFAULT_METRICS_FROM,
     MANAGED_BY,
@@ -96,7 +95,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "custom": {
         "fullnameOverride": "llm-operator",
         "image": {"tag": "0.2.0"},
-        "peering": {"name": "llm-peers", "priority": 7, "lifetimeSeconds": 30},
+        "leaderElection": {
+            "leaseName": "llm-leader",
+            "leaseDurationSeconds": 30,
+            "renewDeadlineSeconds": 20,
+            "retryPeriodSeconds": 4,
+        },
         "serviceAccount": {"name": "llm-operator-sa"},
         "dashboards": {
             "namespace": "grafana",
@@ -267,28 +271,10 @@ def validate_metadata(doc: dict[str, Any]) -> None:
     kubernetes_validate.validate(carrier, KUBE_VERSIONS[-1], strict=True)
 
 
-def validate_with_chart_crd(doc: dict[str, Any]) -> None:
-    group, version = doc["apiVersion"].split("/")
-    crds = [
-        c for c in chart_crds().values()
-        if c["spec"]["group"] == group and c["spec"]["names"]["kind"] == doc["kind"]
-    ]  # fmt: skip
-    assert len(crds) == 1, f"no CRD in charts/kvpool/crds serves {doc['apiVersion']} {doc['kind']}"
-    crd = crds[0]
-    served = {v["name"]: v for v in crd["spec"]["versions"] if v["served"]}
-    assert version in served, f"{doc['kind']}: version {version} is not served"
-    namespaced = crd["spec"]["scope"] == "Namespaced"
-    assert ("namespace" in doc["metadata"]) == namespaced, f"{doc['kind']}: scope"
-    jsonschema.Draft202012Validator(served[version]["schema"]["openAPIV3Schema"]).validate(doc)
-
-
 def validate_object(doc: dict[str, Any]) -> None:
     kind = doc["kind"]
     if kind in MONITOR_SCHEMAS:
         jsonschema.Draft202012Validator(MONITOR_SCHEMAS[kind]).validate(doc)
-        validate_metadata(doc)
-    elif doc["apiVersion"].startswith("kopf.dev/"):
-        validate_with_chart_crd(doc)
         validate_metadata(doc)
     else:
         for version in KUBE_VERSIONS:
@@ -323,15 +309,11 @@ def test_a_validation_error_is_caught(rendered: dict[str, list[dict[str, Any]]])
     monitor["spec"]["endpoints"][0]["honorlabels"] = True
     with pytest.raises(jsonschema.ValidationError):
         validate_object(monitor)
-    peering = json.loads(json.dumps(one(rendered["default"], "ClusterKopfPeering")))
-    peering["metadata"]["namespace"] = "default"  # a cluster-scoped kind
-    with pytest.raises(AssertionError):
-        validate_object(peering)
 
 
 def test_the_crds_are_valid_and_the_inferencepool_crd_is_the_generated_one() -> None:
     crds = chart_crds()
-    assert set(crds) == {"inferencepool.yaml", "clusterkopfpeerings.yaml", "kopfpeerings.yaml"}
+    assert set(crds) == {"inferencepool.yaml"}, "kopf's peering CRDs went with kopf peering"
     for crd in crds.values():
         for version in KUBE_VERSIONS:
             kubernetes_validate.validate(crd, version, strict=True)
@@ -339,32 +321,6 @@ def test_the_crds_are_valid_and_the_inferencepool_crd_is_the_generated_one() -> 
     assert (CHART / "crds" / "inferencepool.yaml").read_bytes() == generated, (
         "charts/kvpool/crds/inferencepool.yaml differs from crds/inferencepool.yaml: run `make crd`"
     )
-
-
-def test_the_peering_crds_serve_what_kopf_looks_for() -> None:
-    from kopf._cogs.structs import references  # kopf's own peering selectors
-
-    crds = chart_crds()
-    wanted = {
-        "clusterkopfpeerings.yaml": (
-            references.CLUSTER_PEERINGS_K,
-            "Cluster",
-            "ClusterKopfPeering",
-        ),
-        "kopfpeerings.yaml": (references.NAMESPACED_PEERINGS_K, "Namespaced", "KopfPeering"),
-    }
-    for name, (selector, scope, kind) in wanted.items():
-        spec = crds[name]["spec"]
-        group, version, plural = selector.group, selector.version, selector.any_name
-        assert (spec["group"], spec["names"]["plural"]) == (group, plural)
-        assert (spec["scope"], spec["names"]["kind"]) == (scope, kind)
-        assert crds[name]["metadata"]["name"] == f"{plural}.{group}"
-        (served,) = [v for v in spec["versions"] if v["name"] == version]
-        assert served["served"] and served["storage"]
-        status = served["schema"]["openAPIV3Schema"]["properties"]["status"]
-        assert status == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-        # kopf merge-patches the peers into the object itself: no status subresource.
-        assert "status" not in (served.get("subresources") or {})
 
 
 # --- bad values -----------------------------------------------------------------------------
@@ -378,14 +334,22 @@ def test_the_peering_crds_serve_what_kopf_looks_for() -> None:
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
         ({"metrics": {"port": 70000}}, "at '/metrics/port'"),
         ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0'"),
-        ({"peering": {"priority": "high"}}, "at '/peering/priority'"),
+        ({"leaderElection": {"leaseDurationSeconds": "15s"}}, "at '/leaderElection/leaseDuration"),
+        ({"peering": {"name": "old"}}, "additional properties 'peering' not allowed"),
         ({"dashboards": {"enable": False}}, "additional properties 'enable' not allowed"),
         ({"networkPolicy": {"metricsFrom": [{}]}}, "at '/networkPolicy/metricsFrom/0'"),
         (
             {"networkPolicy": {"metricsFrom": [{"podSelecter": {}}]}},
             "additional properties 'podSelecter' not allowed",
         ),
-        ({"replicas": 2, "peering": {"priority": 5}}, "leave peering.priority unset"),
+        (
+            {"leaderElection": {"leaseDurationSeconds": 10}},
+            "leaseDurationSeconds (10) must be longer than renewDeadlineSeconds (10)",
+        ),
+        (
+            {"leaderElection": {"renewDeadlineSeconds": 4, "retryPeriodSeconds": 4}},
+            "renewDeadlineSeconds (4) must be longer than retryPeriodSeconds (4) times 1.2",
+        ),
         (
             {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}},
             "metrics.serviceMonitor.enabled needs metrics.service.enabled",
@@ -453,44 +417,31 @@ def test_the_operator_image_and_command(rendered: dict[str, list[dict[str, Any]]
     assert exit_info.value.code == 0
 
 
-def test_the_operator_sets_pod_id_and_the_peering(
+def test_the_operator_elects_a_leader_by_a_lease_in_its_namespace(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
+    """Always, whatever the replicas: a rolling update runs two pods even with one."""
     for value_set, docs in rendered.items():
         container = operator_container(docs)
         (pod_id,) = [e for e in container["env"] if e["name"] == "POD_ID"]
         assert pod_id["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, value_set
         env = plain_env(docs)
-        peering = env["KVPOOL_OPERATOR_PEERING"]
+        assert env["KVPOOL_OPERATOR_LEASE_NAMESPACE"] == NAMESPACE, value_set
         watched = VALUE_SETS[value_set].get("watchNamespaces", [])
         if watched:
             assert env["KVPOOL_OPERATOR_NAMESPACE"].split() == watched
-            assert not of_kind(docs, "ClusterKopfPeering")
-            peerings = of_kind(docs, "KopfPeering")
-            assert sorted(p["metadata"]["namespace"] for p in peerings) == sorted(watched)
         else:
             assert "KVPOOL_OPERATOR_NAMESPACE" not in env, "unset: every namespace"
-            assert not of_kind(docs, "KopfPeering")
-            peerings = [one(docs, "ClusterKopfPeering")]
-        assert {p["metadata"]["name"] for p in peerings} == {peering}, value_set
-    assert plain_env(rendered["default"])["KVPOOL_OPERATOR_PEERING"] == RELEASE
-    assert plain_env(rendered["default"])["KVPOOL_OPERATOR_PEERING_LIFETIME_S"] == "60"
-    assert plain_env(rendered["custom"])["KVPOOL_OPERATOR_PEERING"] == "llm-peers"
-    assert plain_env(rendered["custom"])["KVPOOL_OPERATOR_PEERING_LIFETIME_S"] == "30"
-
-
-def test_two_replicas_never_share_a_fixed_priority(
-    rendered: dict[str, list[dict[str, Any]]],
-) -> None:
-    """Unset, each replica draws its own priority: kopf pauses every replica of a tie."""
-    docs = rendered["replicas2"]
-    assert one(docs, "Deployment")["spec"]["replicas"] == 2
-    names = {e["name"] for e in operator_container(docs)["env"]}
-    assert "KVPOOL_OPERATOR_PRIORITY" not in names
-    assert "KVPOOL_OPERATOR_PRIORITY" not in plain_env(rendered["default"])
-    # one replica may have a fixed priority (and two are refused: see the bad values)
-    assert plain_env(rendered["custom"])["KVPOOL_OPERATOR_PRIORITY"] == "7"
-    assert one(rendered["custom"], "Deployment")["spec"]["replicas"] == 1
+        assert not [d for d in docs if d["apiVersion"].startswith("kopf.dev/")], "no peering"
+        assert "KVPOOL_OPERATOR_PEERING" not in env
+    default, custom = plain_env(rendered["default"]), plain_env(rendered["custom"])
+    assert default["KVPOOL_OPERATOR_LEASE_NAME"] == RELEASE
+    durations = ("LEASE_DURATION_S", "RENEW_DEADLINE_S", "RETRY_PERIOD_S")
+    assert [default[f"KVPOOL_OPERATOR_{k}"] for k in durations] == ["15", "10", "2"]
+    assert custom["KVPOOL_OPERATOR_LEASE_NAME"] == "llm-leader"
+    assert [custom[f"KVPOOL_OPERATOR_{k}"] for k in durations] == ["30", "20", "4"]
+    assert plain_env(rendered["replicas2"]) == default
+    assert one(rendered["replicas2"], "Deployment")["spec"]["replicas"] == 2
 
 
 def test_the_children_images_default_to_the_operators_defaults(
@@ -527,7 +478,7 @@ def test_the_operator_env_is_settings_the_operator_reads(
         monkeypatch.setenv(key, env[key])
     settings = operator_settings.from_environment()  # a bad value raises, naming the field
     assert settings.namespace == VALUE_SETS[value_set].get("watchNamespaces", [])
-    assert settings.peering == env["KVPOOL_OPERATOR_PEERING"]
+    assert settings.lease() == (NAMESPACE, env["KVPOOL_OPERATOR_LEASE_NAME"])
 
 
 def test_the_ports_and_the_liveness_probe(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -565,8 +516,8 @@ def test_every_object_has_the_standard_labels(rendered: dict[str, list[dict[str,
 
 
 def test_objects_live_in_the_release_namespace(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"}
-    per_watched_namespace = {"Role", "RoleBinding", "KopfPeering"}
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding"}
+    per_watched_namespace = {"Role", "RoleBinding"}
     for value_set, docs in rendered.items():
         watched = VALUE_SETS[value_set].get("watchNamespaces", [])
         grafana = VALUE_SETS[value_set].get("dashboards", {}).get("namespace") or NAMESPACE
@@ -574,6 +525,11 @@ def test_objects_live_in_the_release_namespace(rendered: dict[str, list[dict[str
             ns = doc["metadata"].get("namespace")
             if doc["kind"] in cluster_scoped:
                 assert ns is None, doc["kind"]
+            elif (
+                doc["kind"] in per_watched_namespace
+                and "-leader-election" in doc["metadata"]["name"]
+            ):
+                assert ns == NAMESPACE, doc["kind"]  # the Lease's, in the release namespace
             elif doc["kind"] in per_watched_namespace:
                 assert ns in watched, doc["kind"]
             elif doc["kind"] == "ConfigMap":
@@ -623,20 +579,27 @@ def rule_grants(rules: Iterable[dict[str, Any]]) -> set[Need]:
     }
 
 
-def grants(docs: list[dict[str, Any]]) -> tuple[set[Need], dict[str, set[Need]]]:
-    """What the operator's ServiceAccount holds: cluster-wide, and per namespace."""
+def bound_roles(docs: list[dict[str, Any]]) -> Iterator[tuple[str | None, dict[str, Any]]]:
+    """(namespace, or None for a ClusterRoleBinding; the role) of each binding of the
+    operator's ServiceAccount."""
     sa = one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"]
     subject = {"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}
     roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d for d in docs}
-    cluster: set[Need] = set()
-    namespaced: dict[str, set[Need]] = {}
     for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
         if subject not in binding["subjects"]:
             continue
         ref = binding["roleRef"]
         ns = binding["metadata"].get("namespace")
         role = roles[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
-        if binding["kind"] == "ClusterRoleBinding":
+        yield (None if binding["kind"] == "ClusterRoleBinding" else ns), role
+
+
+def grants(docs: list[dict[str, Any]]) -> tuple[set[Need], dict[str, set[Need]]]:
+    """What the operator's ServiceAccount holds: cluster-wide, and per namespace."""
+    cluster: set[Need] = set()
+    namespaced: dict[str, set[Need]] = {}
+    for ns, role in bound_roles(docs):
+        if ns is None:
             cluster |= rule_grants(role["rules"])
         else:
             namespaced.setdefault(ns, set()).update(rule_grants(role["rules"]))
@@ -685,7 +648,8 @@ OWNER_REFERENCES: set[Need] = {("kvpool.io", "inferencepools/finalizers", "updat
 # handlers.sync), so a new one (a new kind of API call) fails here until it is.
 CLUSTER_METHODS = {
     "read", "apply", "owned_children", "prune", "scale", "deployment", "pods", "pool",
-    "patch_status", "kind_of", "record", "converged", "create_once",
+    "patch_status", "kind_of", "record", "converged", "create_once", "read_cached",
+    "delete_made",
 }  # fmt: skip
 
 
@@ -728,11 +692,11 @@ TEST_CLIENT = "kvpool-chart-test"
 
 
 def kopf_args(env: dict[str, str]) -> list[str]:
-    """``kopf run`` with what ``kvpool operator run`` makes of the chart's env."""
+    """``kopf run`` with what ``kvpool operator run`` makes of the chart's env (standalone:
+    the Lease, taken before, says which replica runs it)."""
     namespaces = env.get("KVPOOL_OPERATOR_NAMESPACE", "").split()
     scope = [a for ns in namespaces for a in ("--namespace", ns)] or ["--all-namespaces"]
-    return ["run", "-m", "kvpool.operator.handlers", "--peering", env["KVPOOL_OPERATOR_PEERING"],
-            *scope]  # fmt: skip
+    return ["run", "-m", "kvpool.operator.handlers", "--standalone", *scope]
 
 
 async def operator_requests(
@@ -769,13 +733,16 @@ async def operator_requests(
                                               "metadata": {"name": name}})  # fmt: skip
         for crd in chart_crds().values():
             await post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        for peering in of_kind(docs, "ClusterKopfPeering"):
-            await post("/apis/kopf.dev/v1/clusterkopfpeerings", peering)
-        for peering in of_kind(docs, "KopfPeering"):
-            await post(f"/apis/kopf.dev/v1/namespaces/{peering['metadata']['namespace']}"
-                       "/kopfpeerings", peering)  # fmt: skip
         seen_before = len(list(kmock))
 
+        # As `kvpool operator run`: take the Lease (create it), keep renewing it (update),
+        # run kopf, and release it at the end (update).
+        leadership = Leadership(
+            leader_elector(operator_settings.from_environment()), on_lost=lambda: None
+        )
+        assert await asyncio.to_thread(leadership.acquire)
+        leadership.start_renewing()
+        monkeypatch.setattr(handlers, "LEADER", leadership.elector)
         runner = KopfRunner(kopf_args(env), timeout=60, reraise=False)
         runner.__enter__()
         try:
@@ -789,6 +756,7 @@ async def operator_requests(
         finally:
             # Stopped from a thread: the emulator runs on this loop and must keep answering.
             await asyncio.to_thread(runner.__exit__, None, None, None)
+            await asyncio.to_thread(leadership.stop)
     assert runner.exception is None, runner.stdout[-3000:]
     requests = []
     for r in list(kmock)[seen_before:]:
@@ -798,6 +766,11 @@ async def operator_requests(
         found = request_need(method, r.url.path, dict(r.params))
         if found is not None:
             requests.append(found)
+            # an apply that finds no object creates it: the API server checks create too
+            if method == "PATCH" and r.headers.get("Content-Type", "").startswith(
+                "application/apply-patch"
+            ) and "/" not in found[1][1]:  # fmt: skip
+                requests.append((found[0], (found[1][0], found[1][1], "create")))
     return requests
 
 
@@ -854,17 +827,23 @@ async def reconcile_a_pool(http: httpx.AsyncClient, ns: str) -> None:
         return True
 
     await eventually(restored, "every child edited by hand patched back")
-    for api_version, kind in KINDS:
+    # An outdated child of each kind is pruned, but a Secret: the operator never reads or
+    # deletes one (the garbage collector removes a pool's secret with its pool).
+    pruned_kinds = [(v, k) for v, k in KINDS if k != "Secret"]
+    for api_version, kind in pruned_kinds:
         labels = {POOL_LABEL: "tiny", "app.kubernetes.io/managed-by": MANAGED_BY}
         meta = {"name": "tiny-outdated", "namespace": ns, "ownerReferences": [owner],
                 "labels": labels}  # fmt: skip
         await write("POST", child_url(ns, api_version, kind),
                     {"apiVersion": api_version, "kind": kind, "metadata": meta})  # fmt: skip
+    # ... and the pool names a Secret of its own: the one the operator made is deleted
     change = {"metadata": {"generation": 2},
-              "spec": {"disaggregation": {"mode": "Aggregated"}, "prefill": None}}  # fmt: skip
+              "spec": {"disaggregation": {"mode": "Aggregated"}, "prefill": None,
+                       "poolSecret": {"secretName": "mine", "key": "k"}}}  # fmt: skip
     await write("PATCH", f"{api}/tiny", change)
-    gone = [child_url(ns, v, k, "tiny-outdated") for v, k in KINDS]
+    gone = [child_url(ns, v, k, "tiny-outdated") for v, k in pruned_kinds]
     gone.append(child_url(ns, "apps/v1", "Deployment", "tiny-prefill"))
+    gone.append(child_url(ns, "v1", "Secret", "tiny-pool-secret"))
 
     async def pruned() -> bool:
         live = await get(f"{api}/tiny") or {}
@@ -886,10 +865,15 @@ async def test_rbac_grants_exactly_what_the_operator_needs(
     docs = rendered[value_set]
     requests = await operator_requests(docs, kmock, tmp_path, monkeypatch)
     cluster_needs = {need for ns, need in requests if ns is None}
-    namespaced_needs = {need for ns, need in requests if ns is not None}
+    # the Lease, in the operator's own namespace; everything else in the pools' namespaces
+    release_needs = {need for ns, need in requests if ns == NAMESPACE}
+    namespaced_needs = {need for ns, need in requests if ns not in (None, NAMESPACE)}
     namespaced_needs |= granted_to_routers() | KOPF_EVENTS | OWNER_REFERENCES
     cluster_grants, namespace_grants = grants(docs)
     watched = VALUE_SETS[value_set].get("watchNamespaces", [])
+    assert release_needs == {("coordination.k8s.io", "leases", v) for v in
+                             ("get", "create", "update")}  # fmt: skip
+    assert namespace_grants.pop(NAMESPACE) == release_needs, "the Lease's Role"
 
     if not watched:  # one ClusterRole: a namespaced need is met cluster-wide
         assert namespace_grants == {}
@@ -903,14 +887,119 @@ async def test_rbac_grants_exactly_what_the_operator_needs(
         for ns in watched:
             assert namespaced_needs - namespace_grants[ns] == set(), f"not granted in {ns}"
             assert namespace_grants[ns] - namespaced_needs == set(), f"never needed in {ns}"
-        # every namespaced request went to a watched namespace
-        assert {ns for ns, _ in requests if ns is not None} <= set(watched)
+        # every namespaced request went to a watched namespace (or the Lease's)
+        assert {ns for ns, _ in requests if ns is not None} <= {*watched, NAMESPACE}
 
     # the operator holds what it grants to routers, where it grants it
     for ns_grants in namespace_grants.values() or [cluster_grants]:
         assert granted_to_routers() <= ns_grants | cluster_grants
     assert ("", "pods", "list") in granted_to_routers()
     assert ("", "pods", "watch") in granted_to_routers()
+
+
+def test_the_lease_rules_name_the_lease_where_kubernetes_allows(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    for value_set in ("default", "namespaced", "custom"):
+        docs = rendered[value_set]
+        lease = plain_env(docs)["KVPOOL_OPERATOR_LEASE_NAME"]
+        roles = [r for r in of_kind(docs, "Role") if r["metadata"]["namespace"] == NAMESPACE]
+        (role,) = roles
+        by_verb = {
+            verb: rule.get("resourceNames") for rule in role["rules"] for verb in rule["verbs"]
+        }
+        assert by_verb == {"get": [lease], "update": [lease], "create": None}, value_set
+        assert {(r["apiGroups"][0], r["resources"][0]) for r in role["rules"]} == {
+            ("coordination.k8s.io", "leases")
+        }
+
+
+Entry = tuple[str, str, str, bool]  # (group, resource, verb, limited to named objects)
+RBAC_TABLE_HEADER = "| Where | API group | Resources | Verbs |"
+# what each "Where" of the tables means, by value set: the scope -> ClusterRole (None) or Role
+WHERE = {
+    "default": {"pools": None, "cluster": None, "release namespace": NAMESPACE},
+    "namespaced": {
+        "pools": ("a", "b"),
+        "cluster": None,
+        "cluster, watchNamespaces": None,
+        "release namespace": NAMESPACE,
+    },
+}
+
+
+def held(docs: list[dict[str, Any]]) -> dict[str | None, set[Entry]]:
+    """What the operator's ServiceAccount holds, by namespace (None: cluster-wide), with
+    whether a rule names its objects (resourceNames)."""
+    out: dict[str | None, set[Entry]] = {}
+    for ns, role in bound_roles(docs):
+        out.setdefault(ns, set()).update(
+            (group, resource, verb, bool(rule.get("resourceNames")))
+            for rule in role["rules"]
+            for group in rule["apiGroups"]
+            for resource in rule["resources"]
+            for verb in rule["verbs"]
+        )
+    return out
+
+
+def rbac_tables(path: Path) -> dict[str, set[Entry]]:
+    """The RBAC tables of a README, by "Where": each row's group (`core` or `""` is the core
+    group), its backquoted resources ("named" when the row is limited to one object) and its
+    verbs (the text before any parenthesis)."""
+    rows: dict[str, set[Entry]] = {}
+    lines = path.read_text().splitlines()
+    tables = [i for i, line in enumerate(lines) if line.startswith(RBAC_TABLE_HEADER)]
+    assert tables, f"{path.name}: no RBAC table ({RBAC_TABLE_HEADER})"
+    for start in tables:
+        for line in lines[start + 2 :]:
+            if not line.startswith("|"):
+                break
+            where, group, resources, verbs = [c.strip() for c in line.strip("|").split("|")][:4]
+            group = group.strip("`")
+            group = "" if group in ("core", '""') else group
+            named = " named " in f" {resources} "
+            names = re.findall(r"`([^`]+)`", resources.split(" named ")[0])
+            assert names, f"{path.name}: no resource in {line!r}"
+            rows.setdefault(where, set()).update(
+                (group, resource, verb.strip(), named)
+                for resource in names
+                for verb in verbs.split("(")[0].split(",")
+            )
+    return rows
+
+
+@pytest.mark.parametrize("readme", ["README.md", "charts/README.md"])
+@pytest.mark.parametrize("value_set", list(WHERE))
+def test_the_readme_rbac_tables_are_what_the_chart_grants(
+    readme: str, value_set: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    table = rbac_tables(ROOT / readme)
+    assert set(table) == {"pools", "cluster", "cluster, watchNamespaces", "release namespace"}
+    said: dict[str | None, set[Entry]] = {}
+    for where, scope in WHERE[value_set].items():
+        for ns in scope if isinstance(scope, tuple) else (scope,):
+            said.setdefault(ns, set()).update(table[where])
+    granted = held(rendered[value_set])
+    assert set(said) == set(granted), f"{readme}: the scopes ({value_set})"
+    for ns in granted:
+        where = "cluster-wide" if ns is None else f"in {ns}"
+        assert granted[ns] - said[ns] == set(), f"{readme} leaves out, {where} ({value_set})"
+        assert said[ns] - granted[ns] == set(), f"{readme} says more, {where} ({value_set})"
+
+
+def test_the_readme_table_parser_reads_scopes_groups_names_and_verbs(tmp_path: Path) -> None:
+    text = (
+        f"{RBAC_TABLE_HEADER} Why |\n|---|---|---|---|---|\n"
+        "| pools | core | `a`, `b/c` | get, list (why not) | x |\n"
+        "| release namespace | `x.io` | `leases` named `name` | update | |\n"
+        "\nnot a row\n"
+    )
+    (tmp_path / "README.md").write_text(text)
+    assert rbac_tables(tmp_path / "README.md") == {
+        "pools": {("", r, v, False) for r in ("a", "b/c") for v in ("get", "list")},
+        "release namespace": {("x.io", "leases", "update", True)},
+    }
 
 
 @pytest.mark.parametrize("value_set", list(VALUE_SETS))
@@ -923,10 +1012,12 @@ def test_rbac_uses_no_wildcard_and_binds_only_the_operator(
         for rule in role["rules"]:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], f"{role['kind']} {key}: a wildcard"
-            assert set(rule) == {"apiGroups", "resources", "verbs"}, rule
+            named = {"resourceNames"} if rule["resources"] == ["leases"] else set()
+            assert set(rule) - named == {"apiGroups", "resources", "verbs"}, rule
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
-            if "update" in rule["verbs"]:  # only what owner references need
-                assert rule["resources"] == ["inferencepools/finalizers"], rule
+            if "update" in rule["verbs"]:  # what owner references need, and the one Lease
+                assert rule["resources"] in (["inferencepools/finalizers"], ["leases"]), rule
+                assert rule["resources"] != ["leases"] or len(rule["resourceNames"]) == 1
     for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}
@@ -936,20 +1027,23 @@ def test_rbac_uses_no_wildcard_and_binds_only_the_operator(
         assert one(docs, "ServiceAccount")["metadata"]["name"] == sa
 
 
-def test_the_operator_may_not_change_or_watch_secrets(
+def test_the_operator_may_never_read_a_secret(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
-    """The pool secret is created once and never rewritten: no right to change a Secret,
-    nor to follow them as they change."""
+    """The pool secret is created once (a 409 means it exists), deleted by name and uid
+    when a pool names its own, else removed with its pool by the garbage collector: no
+    right to read, list, watch or change a Secret."""
     for value_set in ("default", "namespaced"):
         cluster, namespaced = grants(rendered[value_set])
-        scopes = [cluster] if not namespaced else list(namespaced.values())
-        for held in scopes:
+        watched = VALUE_SETS[value_set].get("watchNamespaces", [])
+        scopes = [namespaced[ns] for ns in watched] or [cluster]
+        assert not [need for need in namespaced.get(NAMESPACE, ()) if need[1] == "secrets"]
+        for holding in scopes:
             secrets = {
-                verb for group, resource, verb in held if (group, resource) == ("", "secrets")
+                verb for group, resource, verb in holding if (group, resource) == ("", "secrets")
             }
-            assert secrets == {"get", "list", "create", "delete"}, value_set
-        if namespaced:  # and nothing on Secrets cluster-wide
+            assert secrets == {"create", "delete"}, value_set
+        if watched:  # and nothing on Secrets cluster-wide
             assert not [need for need in cluster if need[1] == "secrets"]
 
 

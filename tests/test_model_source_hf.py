@@ -137,7 +137,9 @@ def test_vllm_worker_downloads_with_the_vllm_image() -> None:
     assert init["args"] == [REPO, "main", HF_CACHE_MOUNT, HF_SNAPSHOT]
     assert worker["args"][0] == HF_SNAPSHOT
     assert env_of(worker)["HF_HUB_OFFLINE"] == "1"
-    assert "fsGroup" not in worker_pod.get("securityContext", {})  # vLLM runs as root
+    # vLLM's root image runs as uid 65532 (restricted): the cache claim is written as its group
+    assert worker_pod["securityContext"]["runAsUser"] == 65532
+    assert worker_pod["securityContext"]["fsGroup"] == 65532
 
 
 def test_router_downloads_only_the_tokenizer_into_an_empty_dir() -> None:

@@ -99,7 +99,7 @@ def pools(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], PoolRuntime]
     state: dict[tuple[str, str], PoolRuntime] = {}
     monkeypatch.setattr(handlers, "_pools", state)
     monkeypatch.setattr(handlers, "_due", {})
-    monkeypatch.setattr(handlers, "_peering", None)
+    monkeypatch.setattr(handlers, "LEADER", None)
     monkeypatch.setattr(handlers, "_active", True)
     return state
 

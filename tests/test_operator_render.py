@@ -27,6 +27,7 @@ from kvpool.operator.render import (
     router_config,
     worker_selector,
 )
+from kvpool.operator.standins import restricted_problems
 
 GOLDEN = Path(__file__).parent / "golden" / "operator"
 NS = "llm"
@@ -378,9 +379,11 @@ def test_kvpool_workers_publish_events_and_drain_before_they_stop() -> None:
     ]
 
 
-def test_our_images_run_restricted_and_vllm_runs_as_it_ships() -> None:
+def test_our_images_run_restricted_and_vllm_runs_as_a_user_too() -> None:
     """Router and kvpool worker pods: non-root, read-only root, no capabilities, a writable
-    /tmp for every container (init containers too); vLLM's root image is left alone."""
+    /tmp for every container (init containers too). vLLM's image runs as root: its pods run
+    it as uid 65532, restricted too (a namespace enforcing Pod Security "restricted" refused
+    them), with HOME and the caches under /tmp."""
     spec = {**SPECS["aggregated-kvpool"], "model": {"name": "t", "source": {"builtin": {}}}}
     for children in (
         rendered("disaggregated-kvpool"),
@@ -401,8 +404,13 @@ def test_our_images_run_restricted_and_vllm_runs_as_it_ships() -> None:
         c for c in vllm if c["kind"] == "Deployment" and "router" not in c["metadata"]["name"]
     ):
         pod = dep["spec"]["template"]["spec"]
-        assert "securityContext" not in pod
-        assert all("securityContext" not in c for c in pod["containers"])
+        assert pod["securityContext"]["runAsUser"] == 65532 and pod["securityContext"][
+            "runAsNonRoot"] is True  # fmt: skip
+        assert restricted_problems(pod) == [], dep["metadata"]["name"]
+        for c in pod["containers"] + pod.get("initContainers", []):
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["HOME"] == "/tmp" and env["USER"], c["name"]
+            assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], c["name"]
 
 
 def test_worker_image_follows_the_gpu_request_unless_the_spec_names_one() -> None:
@@ -635,3 +643,46 @@ def test_router_replicas_spread_over_nodes_and_zones() -> None:
         "kubernetes.io/hostname",
         "topology.kubernetes.io/zone",
     ]
+
+
+def _strategy(children: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return by_kind(children, "Deployment", name)["spec"]["strategy"]["rollingUpdate"]
+
+
+def test_a_gpu_role_rolls_without_surge_so_the_rollout_ends_on_a_full_cluster() -> None:
+    """A surge pod asks for a GPU a full cluster does not have: it stays Pending, and the
+    roll-out never ends. Unset, a GPU role replaces one pod at a time; a CPU role surges."""
+    gpu = SPECS["aggregated-kvpool"]
+    assert "nvidia.com/gpu" in str(gpu["decode"]["resources"])
+    children = render("p", NS, validate_pool("p", gpu), Images())
+    assert _strategy(children, "p-decode") == {"maxSurge": 0, "maxUnavailable": 1}
+    assert _strategy(children, "p-router") == {"maxSurge": 1, "maxUnavailable": 0}
+    cpu = {**gpu, "decode": {"replicas": 2}}
+    children = render("p", NS, validate_pool("p", cpu), Images())
+    assert _strategy(children, "p-decode") == {"maxSurge": 1, "maxUnavailable": 0}
+    # what the spec says stands; a surge asked for takes nothing away
+    mine = {**gpu, "decode": {**gpu["decode"], "rollout": {"maxSurge": 1}}}
+    children = render("p", NS, validate_pool("p", mine), Images())
+    assert _strategy(children, "p-decode") == {"maxSurge": 1, "maxUnavailable": 0}
+    # none unavailable asked of a GPU role: it surges (0 and 0, the API server refuses)
+    mine = {**gpu, "decode": {**gpu["decode"], "rollout": {"maxUnavailable": 0}}}
+    children = render("p", NS, validate_pool("p", mine), Images())
+    assert _strategy(children, "p-decode") == {"maxSurge": 1, "maxUnavailable": 0}
+    mine = {**gpu, "decode": {**gpu["decode"], "rollout": {"maxSurge": "0%"}}}
+    children = render("p", NS, validate_pool("p", mine), Images())
+    assert _strategy(children, "p-decode") == {"maxSurge": "0%", "maxUnavailable": 1}
+
+
+def test_the_progress_deadline_follows_a_longer_startup_window() -> None:
+    """A podTemplate that gives the weights two hours to load: a deadline of 30 min plus
+    the default window would mark every roll-out ProgressDeadlineExceeded meanwhile."""
+    base = SPECS["aggregated-kvpool"]
+    children = render("p", NS, validate_pool("p", base), Images())
+    default = by_kind(children, "Deployment", "p-decode")["spec"]["progressDeadlineSeconds"]
+    assert default == 180 * 10 + 1800
+    probe = {"startupProbe": {"periodSeconds": 10, "failureThreshold": 720}}
+    template = {"spec": {"containers": [{"name": "worker", **probe}]}}
+    slow = {**base, "decode": {**base["decode"], "podTemplate": template}}
+    children = render("p", NS, validate_pool("p", slow), Images())
+    dep = by_kind(children, "Deployment", "p-decode")
+    assert dep["spec"]["progressDeadlineSeconds"] == 7200 + 1800

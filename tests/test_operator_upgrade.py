@@ -577,3 +577,45 @@ def test_the_keda_queries_read_router_series_of_the_decode_pods() -> None:
         },
     }
     kubernetes_validate.validate(hpa, KUBERNETES, strict=True)
+
+
+# --- the CRD upgrade: pools stored under the previous CRD, read with the new one ---------------
+
+PREVIOUS_CRD = Path(__file__).parent / "data" / "crd-upgrade" / "inferencepool-before-issue-42.yaml"
+
+
+def test_pools_stored_under_the_previous_crd_pass_the_new_one() -> None:
+    """The README's upgrade: apply the new CRD over the old one, then the operator. Every
+    example pool, as the old CRD's API server stored it (its defaults written in), passes the
+    new CRD's CEL rules and the operator's checks. A pool that set no ``rollout`` gets the
+    new default (no surge for a GPU role); one that set part of it had the old defaults
+    written beside it (``maxSurge: 1``), and keeps them."""
+    from test_api import SCHEMA, cel_failures, pool_object, with_defaults
+
+    from kvpool.api.manifests import load_documents
+
+    previous = yaml.safe_load(PREVIOUS_CRD.read_text())
+    old_schema = previous["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    pools = [d for p in sorted(examples.rglob("*.yaml")) for d in load_documents(p)
+             if d.get("kind") == "InferencePool"]  # fmt: skip
+    assert len(pools) >= 6
+    partial = copy.deepcopy(pools[0])
+    partial["metadata"]["name"] = "partial"
+    partial["spec"]["decode"]["rollout"] = {"maxUnavailable": 1}
+    for doc in [*pools, partial]:
+        name = doc["metadata"]["name"]
+        stored = with_defaults(pool_object(name, doc["spec"]), old_schema)
+        assert cel_failures(stored, SCHEMA) == [], name
+        spec = validate_pool(name, stored["spec"])
+        deployment = next(c for c in render(name, "llm", spec) if c["kind"] == "Deployment"
+                          and c["metadata"]["name"] == f"{name}-decode")  # fmt: skip
+        strategy = deployment["spec"]["strategy"]["rollingUpdate"]
+        gpu = "decode" in spec.gpus()
+        if name == "partial":
+            assert stored["spec"]["decode"]["rollout"] == {"maxSurge": 1, "maxUnavailable": 1}
+            assert strategy == {"maxSurge": 1, "maxUnavailable": 1}
+        else:
+            assert "rollout" not in stored["spec"]["decode"], name
+            assert strategy == ({"maxSurge": 0, "maxUnavailable": 1} if gpu else
+                                {"maxSurge": 1, "maxUnavailable": 0}), name  # fmt: skip

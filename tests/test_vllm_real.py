@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -660,3 +662,63 @@ def test_the_content_format_is_read_from_a_template_as_vllm_reads_it() -> None:
     ours = {k: chat_content_format(t) for k, t in CONTENT_FORMAT_TEMPLATES.items()}
     assert ours == vllms
     assert set(vllms.values()) == {"string", "openai"}  # both kinds are in the set
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs vLLM as another user: needs root to")
+def test_vllm_serves_as_the_restricted_pod_runs_it(tmp_path: Path) -> None:
+    """The operator runs vLLM's image (which runs as root) as uid and gid 65532, with no
+    privileges and HOME and the caches under /tmp, so that Pod Security "restricted" admits
+    the pod. vLLM is run so here (setpriv, a uid without a passwd entry, no new
+    privileges; a fresh /tmp of that user's), with the environment the operator renders,
+    and serves."""
+    import shutil
+    import stat
+
+    from vllm_real import make_model
+
+    from kvpool.api import validate_pool
+    from kvpool.operator.render import NON_ROOT_UID, render
+
+    spec = {
+        "model": {"name": "t", "source": {"pvc": {"claimName": "m", "path": "t"}}},
+        "engine": {"type": "vllm"},
+        "disaggregation": {"mode": "Aggregated"},
+    }
+    children = render("p", "ns", validate_pool("p", spec))
+    pod = next(c for c in children if c["metadata"]["name"] == "p-decode" and
+               c["kind"] == "Deployment")["spec"]["template"]["spec"]  # fmt: skip
+    assert pod["securityContext"]["runAsUser"] == NON_ROOT_UID
+    worker = pod["containers"][0]
+    # the pod's emptyDir at /tmp: here a directory of its own, the user's
+    root = Path(tempfile.mkdtemp(prefix="kvpool-restricted-"))
+    root.chmod(0o755)
+    tmp = root / "tmp"
+    tmp.mkdir()
+    os.chown(tmp, NON_ROOT_UID, NON_ROOT_UID)
+    env = {
+        e["name"]: e["value"].replace("/tmp", str(tmp)) for e in worker["env"]
+        if ("value" in e and str(e["value"]).startswith("/tmp")) or e["name"] == "USER"
+    }  # fmt: skip
+    assert env["HOME"] == str(tmp)
+    model = make_model(root / "model")
+    for path in [root / "model", *(root / "model").rglob("*")]:
+        path.chmod(path.stat().st_mode | stat.S_IROTH | (stat.S_IXOTH if path.is_dir() else 0))
+    # This machine's Python lives under /root (0700): the user may read and search any
+    # file (CAP_DAC_READ_SEARCH) to run it, and nothing more: it writes only where uid
+    # 65532 may, which is what is checked.
+    setpriv = ("setpriv", f"--reuid={NON_ROOT_UID}", f"--regid={NON_ROOT_UID}",
+               "--clear-groups", "--no-new-privs", "--inh-caps=-all,+dac_read_search",
+               "--ambient-caps=+dac_read_search", "--")  # fmt: skip
+    server = VLLMServer(model, tmp, env={**env, "TMPDIR": str(tmp)}, prefix=setpriv)
+    try:
+        server.start()
+        server.wait_healthy()
+        r = httpx.post(server.url + "/v1/completions", json={
+            "model": "tiny", "prompt": words("restricted", 20), "max_tokens": 4,
+        }, timeout=120)  # fmt: skip
+        assert r.status_code == 200, r.text
+        # it ran as that user, and wrote only where the pod lets it write
+        assert (tmp / ".cache").exists() or any(tmp.iterdir())
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -111,6 +111,7 @@ class VLLMServer:
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         data_parallel_size: int = 1,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         from conftest import consecutive_ports
 
@@ -126,6 +127,7 @@ class VLLMServer:
         self.max_num_seqs = max_num_seqs
         self.extra = extra
         self.env = env or {}
+        self.prefix = prefix  # a command that runs vLLM (setpriv, as another user)
         self.log = workdir / f"vllm-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -142,6 +144,7 @@ class VLLMServer:
             "topic": "",
         }
         return [
+            *self.prefix,
             str(VLLM_PYTHON),
             "-m",
             "vllm.entrypoints.openai.api_server",

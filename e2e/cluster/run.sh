@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# kvpool on a real cluster, end to end: the CRD, the operator (run here, against the cluster
-# of the current kubeconfig context), examples/tiny-cpu.yaml, Ready, and one chat completion
-# through the router Service. Exit 0: it worked; 77: no cluster to run on (a skip); anything
-# else: a failure, after the operator's log, the pool and its pods are printed.
+# kvpool on a real cluster, end to end: the CRD (server-side apply, as an upgrade applies
+# it), the operator (run here, against the cluster of the current kubeconfig context),
+# examples/tiny-cpu.yaml in a namespace that enforces Pod Security "restricted", Ready, one
+# chat completion through the router Service, then what only a real API server shows: a
+# steady pool gets no write over two resyncs (no Deployment revision, no resourceVersion
+# moves), one spec change is one Deployment revision, and status names the pool secret the
+# operator made (it never reads Secrets). Exit 0: it worked; 77: no cluster to run on (a skip); anything else: a failure,
+# after the operator's log, the pool and its pods are printed.
 #
 # Environment (all optional):
 #   KVPOOL_E2E_NAMESPACE     namespace to create and delete (default kvpool-e2e)
@@ -15,6 +19,8 @@
 #   KVPOOL_E2E_KEEP=1        leave the namespace (and the pool in it) for a look afterwards
 #   KVPOOL_E2E_LOG_DIR       where the operator and port-forward logs go (default: a temp dir)
 #   KVPOOL_E2E_KVPOOL, KVPOOL_E2E_PYTHON   the kvpool command and a Python with `openai`
+#   KVPOOL_E2E_QUIET_S       how long a steady pool is watched for writes (default 130:
+#                            two of the operator's 60 s resyncs)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -70,7 +76,9 @@ PYTHON=${KVPOOL_E2E_PYTHON:-$(pick "$ROOT/.venv/bin/python" python3)} \
     || fail "no Python: run 'make install' (or set KVPOOL_E2E_PYTHON)"
 "$PYTHON" -c 'import openai' 2>/dev/null \
     || fail "$PYTHON cannot import openai: run 'make install' (or set KVPOOL_E2E_PYTHON)"
-"$KVPOOL" check "$EXAMPLE" >/dev/null || fail "$EXAMPLE is not a valid InferencePool"
+# the pool, and what the operator renders for it, as the API server would check them
+"$KVPOOL" check "$EXAMPLE" "$CRD" >/dev/null \
+    || fail "$EXAMPLE or $CRD fails kvpool check (run it to see why)"
 
 LOG_DIR=${KVPOOL_E2E_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/kvpool-e2e.XXXXXX")}
 mkdir -p "$LOG_DIR"
@@ -209,13 +217,19 @@ if kc get namespace "$NS" >/dev/null 2>&1; then
     say "namespace $NS exists: using it"
     NS_USED=1
 else
-    say "creating namespace $NS"
+    say "creating namespace $NS, enforcing Pod Security \"restricted\""
     kc create namespace "$NS" >/dev/null
     NS_CREATED=1
+    # kvpool's pods (vLLM's included) run restricted: a pod that did not is refused here,
+    # and the pool's status says so (Degraded, ReplicaFailure)
+    kc label namespace "$NS" pod-security.kubernetes.io/enforce=restricted \
+        pod-security.kubernetes.io/enforce-version=latest >/dev/null
 fi
 
-say "applying $CRD"
-kc apply -f "$CRD" >/dev/null
+# As the README's upgrade steps apply it (Helm never upgrades a chart's crds/): the API
+# server checks its CEL rules' cost here, which the tests can only estimate.
+say "applying $CRD (server-side)"
+kc apply --server-side --force-conflicts --field-manager=kvpool-e2e -f "$CRD" >/dev/null
 kubectl wait --for=condition=Established crd/inferencepools.kvpool.io --timeout=60s >/dev/null
 
 say "starting the operator (log: $OPERATOR_LOG)"
@@ -323,5 +337,54 @@ print(
 if reply.model != "tiny" or not reply.usage.completion_tokens:
     sys.exit("[e2e] error: the answer is not from the tiny model, or has no tokens")
 EOF
+
+# --- what only a real API server shows -------------------------------------------------------
+
+revisions() {  # kind/name generation resourceVersion, of every child of the pool
+    kc get deployments,services,configmaps,serviceaccounts,roles,rolebindings,\
+poddisruptionbudgets,networkpolicies -n "$NS" -l "kvpool.io/pool=$POOL" \
+        -o 'jsonpath={range .items[*]}{.kind}/{.metadata.name} {.metadata.generation} {.metadata.resourceVersion}{"\n"}{end}' \
+        | grep -v '^Deployment/.* ' || true
+    # Deployments: their status moves with every probe; their generation is the template's
+    kc get deployments -n "$NS" -l "kvpool.io/pool=$POOL" \
+        -o 'jsonpath={range .items[*]}{.kind}/{.metadata.name} {.metadata.generation}{"\n"}{end}'
+}
+
+QUIET_S=${KVPOOL_E2E_QUIET_S:-130}
+say "watching the steady pool for ${QUIET_S}s: the operator's resyncs must write nothing"
+before=$(revisions)
+sleep "$QUIET_S"
+after=$(revisions)
+if [[ $before != "$after" ]]; then
+    diff <(printf '%s\n' "$before") <(printf '%s\n' "$after") >&2 || true
+    fail "the operator wrote to a steady pool's children (a webhook's change written over?)"
+fi
+
+decode_generation() {
+    kc get deployment "$POOL-decode" -n "$NS" -o 'jsonpath={.metadata.generation}'
+}
+change_spec() {  # $1: what it is, $2: the merge patch; the decode Deployment's revisions
+    local before now
+    before=$(decode_generation)
+    say "changing the spec: $1"
+    kc patch kvpool "$POOL" -n "$NS" --type=merge -p "$2" >/dev/null
+    for _ in $(seq 60); do
+        now=$(decode_generation)
+        ((now > before)) && break
+        sleep 1
+    done
+    sleep 10  # and any second write would have come by now
+    now=$(decode_generation)
+    ((now == before + 1)) || fail "one spec change ($1) made $((now - before)) revisions"
+}
+# A field dropped and another changed at once: an operator that first patched the dropped
+# field away and then applied made two revisions (a wasted surge pod on a GPU).
+change_spec "a node selector every Linux node matches" \
+    '{"spec":{"decode":{"nodeSelector":{"kubernetes.io/os":"linux"}}}}'
+change_spec "the node selector dropped, an env var added, in one change" \
+    '{"spec":{"decode":{"nodeSelector":null,"env":[{"name":"KVPOOL_E2E","value":"1"}]}}}'
+
+secret=$(kc get kvpool "$POOL" -n "$NS" -o 'jsonpath={.status.poolSecret.name}')
+[[ $secret == "$POOL-pool-secret" ]] || fail "status.poolSecret does not name the pool secret"
 
 say "passed"

@@ -405,20 +405,46 @@ def _zero(value: int | str) -> bool:
 
 
 class RolloutSpec(RuledSpec):
-    """The rolling update of a role's Deployment (GPUs are scarce: surge is one pod)."""
+    """The rolling update of a role's Deployment. Left unset, it finishes on a full cluster:
+    a role that asks for a GPU replaces its pods one at a time (no surge: on a cluster with
+    no free GPU a surge pod stays Pending and the roll-out never ends); a CPU role surges
+    one pod and takes none away."""
 
     rules = (
         Rule(
-            cel="!((has(self.maxSurge) ? string(self.maxSurge) : '1').matches('^0+%?$')"
-            " && (has(self.maxUnavailable) ? string(self.maxUnavailable) : '0')"
-            ".matches('^0+%?$'))",
+            cel="!(has(self.maxSurge) && has(self.maxUnavailable)"
+            " && string(self.maxSurge).matches('^0+%?$')"
+            " && string(self.maxUnavailable).matches('^0+%?$'))",
             message="rollout.maxSurge and rollout.maxUnavailable cannot both be zero",
-            check=lambda s: not (_zero(s.max_surge) and _zero(s.max_unavailable)),
+            check=lambda s: (
+                not (
+                    s.max_surge is not None
+                    and s.max_unavailable is not None
+                    and _zero(s.max_surge)
+                    and _zero(s.max_unavailable)
+                )
+            ),
         ),
     )
 
-    max_surge: IntOrPercent = 1
-    max_unavailable: IntOrPercent = 0
+    max_surge: IntOrPercent | None = Field(
+        None,
+        description="default: 0 for a role that asks for a GPU (1 where maxUnavailable is 0),"
+        " else 1",
+    )
+    max_unavailable: IntOrPercent | None = Field(
+        None, description="default: 1 where maxSurge is 0, else 0"
+    )
+
+    def strategy(self, gpu: bool) -> tuple[IntOrPercent, IntOrPercent]:
+        """(maxSurge, maxUnavailable) of a role that asks for a GPU or not. Never both zero
+        (a Deployment the API server refuses): an unset one is 1 where the other is 0."""
+        surge, unavailable = self.max_surge, self.max_unavailable
+        if surge is None:
+            surge = 1 if (unavailable is not None and _zero(unavailable)) or not gpu else 0
+        if unavailable is None:
+            unavailable = 1 if _zero(surge) else 0
+        return surge, unavailable
 
 
 class RoleSpec(Spec):
@@ -1076,12 +1102,24 @@ class RoleStatus(Status):
     ready_replicas: int = 0
     updated_replicas: int = 0
     summary: str = Field("0/0", description="ready/desired, as kubectl shows it")
+    reason: str | None = Field(
+        None,
+        max_length=128,
+        description="why the role's pods do not come up, as its Deployment says: FailedCreate"
+        " (refused: Pod Security admission, a ResourceQuota...), FailedDelete,"
+        " ProgressDeadlineExceeded",
+    )
+    message: str | None = Field(None, max_length=1024, description="the Deployment's message")
 
 
 class RouterStatus(Status):
     endpoint: str = Field(description="the router Service's in-cluster URL (OpenAI API at /v1)")
     ready_replicas: int = 0
     replicas: int = 0
+    reason: str | None = Field(
+        None, max_length=128, description="as for a role: why the router's pods do not come up"
+    )
+    message: str | None = Field(None, max_length=1024, description="the Deployment's message")
 
 
 class ScalingDecision(Status):
@@ -1135,6 +1173,14 @@ class EngineStatus(Status):
     )
 
 
+class PoolSecretStatus(Status):
+    """The pool secret the operator made (it may create Secrets, never read them: this is
+    how it knows the one of this name is its own, and what it may delete)."""
+
+    name: str = Field(max_length=253)
+    uid: str = Field(max_length=64)
+
+
 class InferencePoolStatus(Status):
     observed_generation: int | None = None
     phase: Literal["Pending", "Progressing", "Ready", "Degraded"] = "Pending"
@@ -1144,6 +1190,7 @@ class InferencePoolStatus(Status):
     decode: RoleStatus | None = None
     router: RouterStatus | None = None
     autoscaler: AutoscalerStatus | None = None
+    pool_secret: PoolSecretStatus | None = None
 
 
 def validate_pool(name: str, spec: Any, *, allow_host_access: bool = False) -> InferencePoolSpec:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 from yaml.events import AliasEvent, CollectionEndEvent, MappingStartEvent, ScalarEvent
@@ -72,24 +74,36 @@ class _FlatLoader(yaml.SafeLoader):
         return node
 
 
-def load_pools(
-    path: str | Path, *, allow_host_access: bool = False
-) -> list[tuple[str, InferencePoolSpec]]:
-    """Every InferencePool in a YAML file, validated; other kinds are skipped.
-
-    ``allow_host_access``: as ``validate_pool``'s (the operator's allowHostAccess)."""
+def load_documents(path: str | Path) -> list[dict[str, Any]]:
+    """The objects of a YAML file (``-``: standard input), each a mapping."""
     try:
-        text = Path(path).read_text()
+        text = sys.stdin.read() if str(path) == "-" else Path(path).read_text()
         docs = [d for d in yaml.load_all(text, Loader=_FlatLoader) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
         raise ManifestError(f"cannot read: {exc}") from None
     except RecursionError:  # merge keys (<<) chained hundreds deep
         raise ManifestError("cannot read: nested too deeply") from None
-    pools = []
     for doc in docs:
         if not isinstance(doc, dict):
             raise ManifestError(f"a document is a {type(doc).__name__}, not a Kubernetes object")
-        if doc.get("kind") != KIND or not str(doc.get("apiVersion", "")).startswith("kvpool.io/"):
+    return docs
+
+
+def is_pool(doc: dict[str, Any]) -> bool:
+    return doc.get("kind") == KIND and str(doc.get("apiVersion", "")).startswith("kvpool.io/")
+
+
+def load_pools(
+    path: str | Path | list[dict[str, Any]], *, allow_host_access: bool = False
+) -> list[tuple[str, InferencePoolSpec]]:
+    """Every InferencePool in a YAML file (or in its documents, as :func:`load_documents`
+    gave them), validated; other kinds are skipped.
+
+    ``allow_host_access``: as ``validate_pool``'s (the operator's allowHostAccess)."""
+    docs = path if isinstance(path, list) else load_documents(path)
+    pools = []
+    for doc in docs:
+        if not is_pool(doc):
             continue
         if doc.get("apiVersion") != API_VERSION:
             raise ManifestError(f"apiVersion {doc.get('apiVersion')!r}: this kvpool serves "

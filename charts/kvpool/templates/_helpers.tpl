@@ -64,10 +64,10 @@ app.kubernetes.io/component: operator
 {{- end }}
 
 {{/*
-The kopf peering object's name, shared by every replica.
+The leader election Lease's name (in the release namespace), shared by every replica.
 */}}
-{{- define "kvpool.peeringName" -}}
-{{- default (include "kvpool.fullname" .) .Values.peering.name }}
+{{- define "kvpool.leaseName" -}}
+{{- default (include "kvpool.fullname" .) .Values.leaderElection.leaseName }}
 {{- end }}
 
 {{/*
@@ -126,12 +126,14 @@ cluster-wide (ClusterRole) or in each watched namespace (Role). Each rule says w
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The pool secret (the key a pool's router and kvpool workers share): created once, read to
-# know that it is there, listed and deleted by prune when a pool names a Secret of its own.
-# Never patched (the key never changes) and never watched.
+# The pool secret (the key a pool's router and kvpool workers share): created, once (a 409
+# on create means it exists), and deleted by name, with the uid the operator recorded when it
+# made it as a precondition, when a pool names a Secret of its own instead. No get, list or
+# watch: the operator may read no Secret, the pools' users' included. No patch or update:
+# the key never changes. The garbage collector removes it with its pool (its owner).
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "create", "delete"]
+  verbs: ["create", "delete"]
 # Pods: the autoscaler lists a pool's pods to scrape them (list), and each router's Role
 # grants pods list and watch, which Kubernetes lets only a holder of both grant.
 - apiGroups: [""]
