@@ -25,14 +25,26 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvpool.kv_events import EventSubscriber, RankedSubscriber, Received
 
 from .index import BlockIndex, Hold
 
-if TYPE_CHECKING:
-    from .pool import WorkerState
+
+class WorkerState(Protocol):
+    """What the feed reads and keeps of a worker (the pool's :class:`.pool.WorkerState`;
+    named here so that the feed needs nothing of the pool)."""
+
+    @property
+    def id(self) -> str: ...
+
+    subscriber: EventSubscriber | RankedSubscriber | None
+    events_task: asyncio.Task[None] | None
+    events_seen: int
+    tracked: bool
+    dp_ranks: dict[int, str]
+
 
 log = logging.getLogger(__name__)
 

@@ -58,8 +58,8 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,34 +147,13 @@ def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket
     return sock
 
 
-def _run(settings: RouterSettings, slot: ProcessSlot, log_level: str, sock: socket.socket) -> None:
-    """One router process (the target of each spawned child)."""
-    # The supervisor blocks these while it starts a process, and a child inherits its mask:
-    # one sent meanwhile is taken now (and ends it: nothing is served yet).
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
-    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which passes it on once
-    from kvpool.cli import configure_logging
-
-    from .server import Router
-    from .serving import uvicorn_server
-
-    configure_logging(log_level == "debug")
-
-    server = uvicorn_server(Router(settings, slot=slot), log_level=log_level)
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # the supervisor killed: drain and go, not serve on alone
-
-        def orphaned() -> None:
-            multiprocessing.connection.wait([parent.sentinel])
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=orphaned, name="kvpool-router-parent", daemon=True).start()
-    server.run(sockets=[sock])
+#: what a router process runs: (settings, its slot, log level, the listening socket)
+Target = Callable[[RouterSettings, "ProcessSlot", str, socket.socket], None]
 
 
-def supervise(settings: RouterSettings, log_level: str = "info") -> int:
-    """Run ``settings.processes`` router processes until SIGTERM/SIGINT; returns the
-    exit code."""
+def supervise(settings: RouterSettings, target: Target, log_level: str = "info") -> int:
+    """Run ``settings.processes`` router processes (each ``target``, a module-level
+    function: the processes are spawned) until SIGTERM/SIGINT; returns the exit code."""
     n = settings.processes
     sock = listening_socket(settings.host, settings.port)  # a bad port fails here, once
     settings = settings.model_copy(update={"port": sock.getsockname()[1]})
@@ -199,7 +178,7 @@ def supervise(settings: RouterSettings, log_level: str = "info") -> int:
             if stopping:
                 return
             child = ctx.Process(
-                target=_run,
+                target=target,
                 args=(settings, ProcessSlot(i, n, runtime), log_level, sock),
                 name=f"kvpool-router-{i}",
                 daemon=False,

@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import threading
 from typing import Any
 
 import uvicorn
 
 from kvpool.httpguard import HttpLimits, server_config
 
-from .processes import supervise
+from .processes import ProcessSlot, supervise
 from .server import Router
 from .settings import RouterSettings
 
@@ -64,10 +70,34 @@ def uvicorn_server(router: Router, log_level: str = "warning") -> _Uvicorn:
     return _Uvicorn(config, router)
 
 
+def run_process(
+    settings: RouterSettings, slot: ProcessSlot, log_level: str, sock: socket.socket
+) -> None:
+    """One router process of several (the target :func:`.processes.supervise` spawns)."""
+    # The supervisor blocks these while it starts a process, and a child inherits its mask:
+    # one sent meanwhile is taken now (and ends it: nothing is served yet).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor, which passes it on once
+    from kvpool.cli import configure_logging
+
+    configure_logging(log_level == "debug")
+
+    server = uvicorn_server(Router(settings, slot=slot), log_level=log_level)
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # the supervisor killed: drain and go, not serve on alone
+
+        def orphaned() -> None:
+            multiprocessing.connection.wait([parent.sentinel])
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=orphaned, name="kvpool-router-parent", daemon=True).start()
+    server.run(sockets=[sock])
+
+
 def serve(settings: RouterSettings, log_level: str = "info") -> int:
     """Run the router until SIGTERM/SIGINT, then drain; returns the exit code. With
     ``processes`` > 1, that many processes share the port (:mod:`.processes`)."""
     if settings.processes > 1:
-        return supervise(settings, log_level)
+        return supervise(settings, run_process, log_level)
     uvicorn_server(Router(settings), log_level=log_level).run()
     return 0

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -22,9 +22,7 @@ from . import openai_format as fmt
 from .engine import EngineCore, PreparedRequest, RequestOutput
 from .engine_loop import TimedOutput
 from .handoff_http import ClosingStream
-
-if TYPE_CHECKING:
-    from .server import _Job
+from .jobs import Job
 
 
 class Responses:
@@ -33,19 +31,19 @@ class Responses:
     model_name: str
     engine: EngineCore | None
 
-    def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, TimedOutput]]:
+    def _outputs(self, job: Job) -> AsyncIterator[tuple[int, TimedOutput]]:
         raise NotImplementedError
 
-    def _close(self, job: _Job) -> None:
+    def _close(self, job: Job) -> None:
         raise NotImplementedError
 
-    def _done(self, job: _Job) -> None:
+    def _done(self, job: Job) -> None:
         raise NotImplementedError
 
     async def _transfer_params(self, prepared: PreparedRequest) -> dict[str, Any] | None:
         raise NotImplementedError
 
-    async def _answer(self, request: Request, job: _Job) -> Response:
+    async def _answer(self, request: Request, job: Job) -> Response:
         headers = {"X-Request-Id": job.id.split("-", 1)[1]}
         if job.stream:
             return ClosingStream(
@@ -68,7 +66,7 @@ class Responses:
             return Response(status_code=499)  # nobody is listening
         return JSONResponse(collect.result(), headers=headers)
 
-    async def _collect(self, job: _Job) -> dict[str, Any]:
+    async def _collect(self, job: Job) -> dict[str, Any]:
         n = len(job.prepared)
         texts = [""] * n
         outs: list[list[RequestOutput]] = [[] for _ in range(n)]
@@ -117,7 +115,7 @@ class Responses:
 
     def _choice(
         self,
-        job: _Job,
+        job: Job,
         index: int,
         text: str,
         out: RequestOutput,
@@ -132,7 +130,7 @@ class Responses:
             logprobs = fmt.logprobs(job.kind, lps, tokenizer, text_offset, as_ids=job.tokens_as_ids)
         return fmt.choice(job.kind, index, text, out, logprobs, final=final)
 
-    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
+    async def _sse(self, job: Job) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: Any = None, **extra: Any) -> bytes:

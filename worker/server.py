@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -72,6 +71,7 @@ from kvpool.tokenization import (
 from .engine import EngineCore, EventSink, PreparedRequest
 from .engine_loop import EngineLoop, TimedOutput
 from .handoff_http import HandOffEndpoints, require_bearer
+from .jobs import Job, Trace
 from .metrics import RequestTimer, WorkerMetrics
 from .responses import Responses
 from .sequence import InvalidParam, SamplingParams
@@ -107,43 +107,6 @@ def default_engine_factory(settings: WorkerSettings) -> EngineFactory:
         return LLMEngine.from_pretrained(settings.model, settings.engine_config(), sink)
 
     return make
-
-
-@dataclass
-class _Trace:
-    """What a traced job's spans need beyond what the job keeps anyway."""
-
-    context: Any  # the caller's trace context (from traceparent), or None: a new trace
-    submitted: float = 0.0  # time.monotonic() when its requests went to the engine
-    kv_pull: tuple[float, float, int | None] | None = None  # start, end, blocks stored
-
-
-@dataclass
-class _Job:
-    """One HTTP generation request: its engine requests and how to answer."""
-
-    id: str
-    kind: str  # "completion" or "chat"
-    created: int
-    arrival: float
-    prepared: list[PreparedRequest]
-    stream: bool
-    include_usage: bool
-    logprobs: int | None
-    transfer: KVTransferParams | None
-    queued_tokens: int = 0
-    outputs: asyncio.Queue[TimedOutput] = field(default_factory=asyncio.Queue)
-    unfinished: set[str] = field(default_factory=set)  # engine requests still running
-    done: bool = False  # its accounting (in flight, queued tokens) is settled
-    timers: list[RequestTimer] = field(default_factory=list)  # per choice, once read
-    trace: _Trace | None = None  # tracing is on
-    n: int = 1  # choices per prompt: choice i is prompt i // n's
-    echoed: list[str] | None = None  # per choice: the text echo puts before its answer
-    echo_only: bool = False  # the answer is the echoed prompt alone (max_tokens 0)
-    token_ids: bool = False  # return_token_ids: the prompt's and each choice's token ids
-    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs' tokens "token_id:N"
-    continuous_usage: bool = False  # usage in every streamed chunk
-    prompt_text: str | None = None  # return_prompt_text: the rendered chat prompt
 
 
 class WorkerServer(HandOffEndpoints, Responses):
@@ -521,7 +484,7 @@ class WorkerServer(HandOffEndpoints, Responses):
         req: CompletionRequest | ChatCompletionRequest,
         kind: str,
         arrival: float,
-    ) -> _Job:
+    ) -> Job:
         self._check_model(req.model)
         engine, _, metrics = self._serving()
         refused = req.unsupported()
@@ -578,7 +541,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             else:  # tokenizing and hashing a long prompt would stall the event loop
                 prepared += await asyncio.to_thread(self._prepare, *args)
         options = req.stream_options
-        job = _Job(
+        job = Job(
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + base_id,
             kind=kind,
             created=int(time.time()),
@@ -599,7 +562,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             prompt_text=prompt_text,
         )
         if tracing.tracer() is not None:
-            job.trace = _Trace(tracing.extract(request.headers))
+            job.trace = Trace(tracing.extract(request.headers))
             for p in prepared:
                 p.seq.traced = True
         self._admit(job, metrics)
@@ -766,7 +729,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             raise OpenAIError(400, str(exc), param=exc.param) from None
         return prepared
 
-    def _admit(self, job: _Job, metrics: WorkerMetrics) -> None:
+    def _admit(self, job: Job, metrics: WorkerMetrics) -> None:
         """Bound the work waiting for prefill: beyond the limit, 429 with a Retry-After from
         the recent prefill rate, so latency does not grow without bound."""
         tokens = sum(len(p.prompt_token_ids) for p in job.prepared)
@@ -790,12 +753,12 @@ class WorkerServer(HandOffEndpoints, Responses):
         self.in_flight += 1
         self._idle.clear()
 
-    def _close(self, job: _Job) -> None:
+    def _close(self, job: Job) -> None:
         """After a streamed response, sent or not: nothing of the job may outlive it."""
         self._abandon(job)
         self._done(job)
 
-    def _done(self, job: _Job) -> None:
+    def _done(self, job: Job) -> None:
         if job.done:
             return
         job.done = True
@@ -810,7 +773,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             except Exception:  # a trace is never worth a request
                 log.exception("request %s: recording its trace failed", job.id)
 
-    def _record_trace(self, job: _Job, trace: _Trace) -> None:
+    def _record_trace(self, job: Job, trace: Trace) -> None:
         """The job's spans, now that it is over: ``kvpool.worker.request`` (arrival to
         end) under the caller's span, and under it each choice's queue (sent to the engine
         to first scheduled), prefill (to its first token) and decode (to its end), plus the
@@ -886,12 +849,12 @@ class WorkerServer(HandOffEndpoints, Responses):
         for name, start, stop, attributes in phases:
             tracing.record_span(name, wall(start), wall(stop), attributes, context=under)
 
-    def _prefilled(self, job: _Job, prepared: PreparedRequest) -> None:
+    def _prefilled(self, job: Job, prepared: PreparedRequest) -> None:
         n = min(job.queued_tokens, len(prepared.prompt_token_ids))
         job.queued_tokens -= n
         self.queued_tokens -= n
 
-    async def _start(self, job: _Job) -> None:
+    async def _start(self, job: Job) -> None:
         """Hand the job's requests to the engine now (a decode leg pulls its prefill first),
         so the engine works while the response is being set up."""
         engine, loop, _ = self._ready()
@@ -914,7 +877,7 @@ class WorkerServer(HandOffEndpoints, Responses):
             job.unfinished.add(prepared.request_id)
             loop.submit(prepared, job.outputs, i)
 
-    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, TimedOutput]]:
+    async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, TimedOutput]]:
         """All the job's engine outputs as they come, tagged with their choice index. A
         reader that stops early aborts the requests still running."""
         _, _, metrics = self._ready()
@@ -934,7 +897,7 @@ class WorkerServer(HandOffEndpoints, Responses):
         finally:
             self._abandon(job)
 
-    def _abandon(self, job: _Job) -> None:
+    def _abandon(self, job: Job) -> None:
         """Abort what still runs of a job whose client left (idempotent)."""
         if job.unfinished and self.loop is not None and self.metrics is not None:
             self.metrics.request_success.labels(self.model_name, "abort").inc(len(job.unfinished))
