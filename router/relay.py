@@ -134,15 +134,23 @@ class Relay:
     async def stream(self) -> AsyncIterator[bytes]:
         state, events, metrics = self.state, self.events, self.metrics
         idle = self.idle_timeout_s
+        watch = IdleWatch(idle)
+        chunks = self._chunks
         try:
             if self.head:
                 yield self.head
             while not events.done:
+                watch.reads += 1  # (fields, not a timer per read: see IdleWatch)
+                watch.reading = True
                 try:
-                    async with asyncio.timeout(idle):
-                        chunk = await anext(self._chunks)
+                    chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
+                except asyncio.CancelledError:
+                    if not watch.expired():
+                        raise
+                    raise TimeoutError from None
+                watch.reading = False
                 out, outputs = events.feed(chunk)
                 if outputs:
                     now = time.monotonic()
@@ -173,7 +181,62 @@ class Relay:
             )
             yield sse_error(f"the worker failed mid-stream: {type(exc).__name__}", "worker_failed")
         finally:
+            watch.stop()
             await self.close()
+
+
+class IdleWatch:
+    """The idle timeout of a stream's reads, with one timer for the whole stream: a read
+    only counts itself and says it is reading (``reads``, ``reading``); the timer, twice
+    per idle period, sees whether the read under way is the one it saw last time and,
+    ``idle`` seconds into one read, cancels the task (:meth:`expired` then says so). So a
+    read that never ends is cut between 1 and 1.5 periods after it began. A timer per read
+    (``asyncio.timeout``) scheduled and cancelled a handle each chunk: about half the
+    router's own work per streamed chunk. Time spent handing a chunk to a slow client is
+    not a read: it never times out."""
+
+    __slots__ = (
+        "_expired", "_handle", "_loop", "_read_since", "_seen", "_task", "idle", "reading",
+        "reads",
+    )  # fmt: skip
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+        self.reading = False
+        self.reads = 0
+        self._seen = -1
+        self._expired = False
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._read_since: float | None = None
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(idle / 2, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        if not self.reading:
+            self._read_since = None
+        elif self.reads != self._seen or self._read_since is None:  # a read begun since
+            self._seen, self._read_since = self.reads, now
+        elif now - self._read_since >= self.idle and self._task is not None:
+            # the same read at checks a whole period apart: it began at least that long ago
+            # (and at most half a period before the first check that saw it)
+            self._expired = True
+            self._handle = None
+            self._task.cancel()
+            return
+        self._handle = self._loop.call_later(self.idle / 2, self._tick)
+
+    def expired(self) -> bool:
+        """Whether the timer cancelled the task (it then takes the cancellation back)."""
+        if self._expired and self._task is not None:
+            self._task.uncancel()
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class RelayResponse(StreamingResponse):

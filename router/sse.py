@@ -50,6 +50,23 @@ class SSEWatch:
     def feed(self, chunk: bytes) -> tuple[bytes, int]:
         """The whole events completed by ``chunk`` that go on to the client, and how many
         events with output were among them."""
+        if (
+            self.started
+            and not self.buffer
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and b'"usage"' not in chunk
+            and b'"error"' not in chunk
+            and chunk != b"data: [DONE]\n\n"
+        ):
+            # the common case once output flows: one whole delta event, passed on as it is
+            # (what feed_events gives it, without splitting and joining)
+            return chunk, 1
+        return self.feed_events(chunk)
+
+    def feed_events(self, chunk: bytes) -> tuple[bytes, int]:
+        """:meth:`feed`, event by event, for any chunk."""
         buffer = self.buffer + chunk if self.buffer else chunk
         out: list[bytes] = []
         outputs = 0
