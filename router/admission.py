@@ -244,23 +244,13 @@ class Gate:
             return p.arrival + p.tenant.ttft_slo_s
         return None
 
-    async def admit(
-        self, p: Pass, routed: Any, headers: Mapping[str, str], *, max_tokens: int, size: int
-    ) -> None:
-        """Reserve the request's tokens, then take a slot now or wait for one: the request
-        is ready for a worker when this returns (or the client left: no slot). An
-        :class:`OpenAIError` (429, 503) otherwise."""
-        wait = self.admit_now(p, routed, headers, max_tokens=max_tokens, size=size)
-        if wait is not None:
-            await wait
-
     def admit_now(
         self, p: Pass, routed: Any, headers: Mapping[str, str], *, max_tokens: int, size: int
     ) -> Coroutine[Any, Any, None] | None:
-        """:meth:`admit` without a wait when it needs none: None when the request has its
-        slot now, else its place in the queue, to be awaited (at once: the caller watches
-        for the client leaving meanwhile, which costs a task that most requests never
-        need)."""
+        """Reserve the request's tokens, then take a slot now or a place in the queue: None
+        when the request has its slot now, else its place, to be awaited at once (the
+        caller watches for the client leaving meanwhile, which costs a task that most
+        requests never need). An :class:`OpenAIError` (429, 503) otherwise."""
         s = self.settings
         band = self.band_of(p, headers)
         p.band = band.label

@@ -95,7 +95,6 @@ class Router(AdminEndpoints):
             block_size=s.block_size, hash_seed=s.hash_seed, extra_keys=s.extra_keys
         )
         self.planner = Planner(s.policy_config(), s.split_config())
-        self.policy = self.planner.aggregated
         self.index = BlockIndex(
             speculative_ttl=s.speculative_ttl_s,
             hold_max=s.speculative_hold_max_s,

@@ -31,6 +31,13 @@ KEY_ADMIN = "sk-admin-key-0123456789abcdef"
 WRONG = "sk-wrong-DISTINCTIVE-9f8e7d6c5b4a"
 
 
+async def admitted(gate: Any, p: Any, routed: Any, *, max_tokens: int) -> None:
+    """A slot now, or a place in the queue awaited, as the router takes one."""
+    wait = gate.admit_now(p, routed, {}, max_tokens=max_tokens, size=400)
+    if wait is not None:
+        await wait
+
+
 @pytest.fixture
 def recording(
     start_router: Callable[..., RunningRouter],
@@ -481,7 +488,7 @@ async def test_room_for_one_more_sends_one_waiting_request_not_the_whole_queue(
     async def client(i: int) -> None:
         nonlocal most
         p = gate.enter({})
-        await gate.admit(p, SimpleNamespace(num_tokens=100), {}, max_tokens=16, size=400)
+        await admitted(gate, p, SimpleNamespace(num_tokens=100), max_tokens=16)
         at_worker.append(p)  # routed, its ticket begun: no await between, as in the router
         p.on_worker()
         most = max(most, len(at_worker))
@@ -523,7 +530,7 @@ async def test_fairness_counts_the_tokens_a_request_really_took_not_its_max_toke
     async def request(key: str, max_tokens: int, completion: int, hold: asyncio.Event) -> None:
         p = gate.enter({"authorization": f"Bearer {key}"})
         routed = SimpleNamespace(num_tokens=100)
-        await gate.admit(p, routed, {}, max_tokens=max_tokens, size=400)
+        await admitted(gate, p, routed, max_tokens=max_tokens)
         order.append(p.tenant.name)
         busy.append(p)
         p.on_worker()
