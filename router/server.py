@@ -602,7 +602,9 @@ class Router(AdminEndpoints):
         model = fields.model if fields.model != self.settings.model else None
         if check_model:
             self._check_model(model)
-        adapters = self._pool().adapters()
+        # The served model (the usual case, model None) is no adapter: the workers' cards are
+        # read only for a request that names another model
+        adapters = self._pool().adapters() if model is not None else {}
         adapter = model if model is not None and model in adapters else None
         prompt = await self._tokens_and_keys(fields, adapter, adapters.get(adapter))
         strip_usage = False
