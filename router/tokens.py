@@ -51,8 +51,13 @@ __all__ = [
 ]
 
 #: prompts up to this many characters (or token ids) are tokenized and hashed on the event
-#: loop, where a thread hop would cost more; longer ones, and chats, in a thread
+#: loop, where a thread hop would cost more; longer ones in a thread. So are chats whose
+#: messages' text is this short and that give the template no tools or documents: a short
+#: chat's rendering, tokenizing and hashing (86 µs for 700 tokens, its prefix cached) costs
+#: twice the CPU through a thread (bench/chat_tokens.py), and holds the loop no longer than
+#: a prompt of that size does
 INLINE_PROMPT_SIZE = 4000
+INLINE_CHAT_MESSAGES = 16
 #: what a tokenizer raises for text it cannot encode (a lone surrogate, say): no cache
 #: credit, and the worker says what is wrong with it
 _UNTOKENIZABLE = (TypeError, ValueError, UnicodeError)
@@ -147,8 +152,9 @@ class PromptKeys:
         adapter_path: str | None = None,
     ) -> PromptTokens:
         """The prompt's token count, its block keys and why they cover less than all of
-        it. A chat (its template rendered) and a long prompt are done in a thread: hashing
-        alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed.
+        it. A long prompt and a long chat (its template rendered) are done in a thread:
+        hashing alone takes ~0.3 ms per 1000 tokens, which would stall every stream relayed;
+        a short one on the loop, where the thread hop costs more (:data:`INLINE_PROMPT_SIZE`).
 
         A prompt over ``limit`` tokens (the workers' context) is refused (400) from its
         beginning: about a context's worth of it is tokenized, not all of it, and none of it
@@ -239,6 +245,8 @@ class PromptKeys:
             )
             return PromptTokens(len(whole) + media, keys_of(head), note)
 
+        if _inline_chat(fields):
+            return chat()
         return await asyncio.to_thread(chat)
 
     async def input_tokens(self, obj: Mapping[str, Any]) -> int:
@@ -320,3 +328,24 @@ def media_part_tokens(model_dir: str | Path) -> int:
         if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in numbers):
             return max((size // patch) ** 2 // merge**2, 1)
     return DEFAULT_MEDIA_PART_TOKENS
+
+
+def _inline_chat(fields: RoutingFields) -> bool:
+    """Whether a chat is short enough to render, tokenize and hash on the event loop (see
+    :data:`INLINE_PROMPT_SIZE`): few messages, little text, no tools or documents."""
+    if len(fields.messages) > INLINE_CHAT_MESSAGES or fields.template.get("tools"):
+        return False
+    if fields.template.get("documents"):
+        return False
+    size = 0
+    for message in fields.messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            size += len(content)
+        elif content is not None:
+            size += len(str(content))
+        if message.get("tool_calls"):
+            size += len(str(message["tool_calls"]))
+        if size > INLINE_PROMPT_SIZE:
+            return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,23 @@ def test_an_error_event_with_a_4xx_code_is_the_clients() -> None:
     other = SSEWatch()
     other.feed(event({"error": {"message": "engine dead", "type": "server_error", "code": 500}}))
     assert other.error and not other.client_error
+
+
+def test_a_short_chat_is_tokenized_on_the_loop_and_a_long_one_in_a_thread() -> None:
+    """A thread hop costs a short chat twice the CPU (bench/chat_tokens.py); a long chat,
+    many messages, or tools and documents (long templates) still go to a thread."""
+    from kvpool.router.request import read_fields
+    from kvpool.router.tokens import INLINE_CHAT_MESSAGES, INLINE_PROMPT_SIZE, _inline_chat
+
+    def chat(*messages: str, **extra: Any) -> Any:
+        body = {"model": "m", "messages": [{"role": "user", "content": m} for m in messages]}
+        return read_fields({**body, **extra}, "chat")
+
+    assert _inline_chat(chat("hello", "how are you?"))
+    assert not _inline_chat(chat("x" * (INLINE_PROMPT_SIZE + 1)))
+    assert not _inline_chat(chat(*["hi"] * (INLINE_CHAT_MESSAGES + 1)))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert not _inline_chat(chat("hello", tools=[tool]))
+    parts = [{"type": "text", "text": "y" * INLINE_PROMPT_SIZE}, {"type": "text", "text": "z"}]
+    assert not _inline_chat(read_fields({"model": "m", "messages": [
+        {"role": "user", "content": parts}]}, "chat"))  # fmt: skip
