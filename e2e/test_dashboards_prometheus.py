@@ -150,7 +150,7 @@ def _start_stack(tmp: Path) -> tuple[subprocess.Popen[str], str, list[str], str]
         # flow-control panels have something to show.
         env=_env(KVPOOL_ROUTER_MAX_CONCURRENCY="2"),
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=(tmp / "stack.log").open("w"),  # the router's and workers' logs, for a failure
         text=True,
         start_new_session=True,
     )

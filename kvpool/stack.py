@@ -175,8 +175,12 @@ class Stack:
     def start(self, timeout: float = 180.0) -> None:
         if self.workers < 1:
             raise StackError("--workers must be at least 1")
+        # Ports below the ephemeral range (free_port_range): one the kernel hands out to any
+        # process's connection, or to another stack's free_port(), may be taken before the
+        # server binds it, and a stranger then answers this stack's /health.
+        block = free_port_range(3 * self.workers + 1)
         if self.port == 0:
-            self.port = free_port()
+            self.port = block + 3 * self.workers
         if not (self.model / "config.json").is_file():
             raise StackError(f"{self.model} is not a model directory (no config.json)")
         quiet = None if self.verbose else subprocess.DEVNULL
@@ -189,7 +193,7 @@ class Stack:
         if self.engine == "sim":  # one process hosts the whole simulated fleet
             # one range for the HTTP, event and replay ports, so that none overlaps another
             n = self.workers
-            base = free_port_range(3 * n)
+            base = block
             ports, events, replay = list(range(base, base + n)), base + n, base + 2 * n
             self.procs.append(
                 subprocess.Popen(
@@ -204,9 +208,10 @@ class Stack:
                 )
             )  # fmt: skip
         else:
-            ports = [free_port() for _ in range(self.workers)]
-            for port in ports:
-                pub, replay = free_port(), free_port()
+            n = self.workers
+            ports = list(range(block, block + n))
+            for i, port in enumerate(ports):
+                pub, replay = block + n + i, block + 2 * n + i
                 self.procs.append(
                     subprocess.Popen(
                         _kvpool(
