@@ -38,7 +38,7 @@ from kvpool.api.inferencepool import (
 )
 from kvpool.api.podtemplate import MAX_NUM_SEQS_ANNOTATION, ONE_OF, PROBES
 
-from .standins import list_map_keys
+from .standins import KEY_DEFAULTS, list_map_keys
 
 Manifest = dict[str, Any]
 
@@ -1246,11 +1246,10 @@ MERGE_KEYS: dict[str, tuple[str, ...]] = {
     for field in fields
     if (keys := list_map_keys(definition, field))
 }
-_KEY_DEFAULTS = {"protocol": "TCP"}  # defaulted by the API server before it merges
 
 
 def _item_key(keys: tuple[str, ...], item: Any) -> tuple[Any, ...]:
-    return tuple(str(item.get(k, _KEY_DEFAULTS.get(k))) for k in keys)
+    return tuple(str(item.get(k, KEY_DEFAULTS.get(k))) for k in keys)
 
 
 def _keyed(field: str, *lists: list[Any]) -> bool:
@@ -1258,7 +1257,7 @@ def _keyed(field: str, *lists: list[Any]) -> bool:
     their keys (else the override replaces it, and the checks say what is wrong)."""
     keys = MERGE_KEYS.get(field)
     return keys is not None and all(
-        isinstance(i, dict) and all(k in i or k in _KEY_DEFAULTS for k in keys)
+        isinstance(i, dict) and all(k in i or k in KEY_DEFAULTS for k in keys)
         for items in lists
         for i in items
     )

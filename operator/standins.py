@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from kvpool.api.podtemplate import HANDLERS, ONE_OF, PROBES
+from kvpool.api.inferencepool import zero_count
+from kvpool.api.podtemplate import CONTAINER_LISTS, HANDLERS, ONE_OF, PROBES
 
 Manifest = dict[str, Any]
 
 KUBERNETES_VERSION = "1.37.0"
 _SCHEMAS = f"kubernetes-json-schema/v{KUBERNETES_VERSION}-local"
-CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 # Kinds whose object holds a pod template, and where.
 POD_TEMPLATE_AT = {
     "Deployment": ("spec", "template"),
@@ -177,12 +177,8 @@ def pod_problems(pod: Manifest, prefix: str = "spec") -> list[tuple[str, str]]:
 def _strategy_problems(deployment: Manifest) -> list[tuple[str, str]]:
     """A rolling update that can move no pod: maxSurge and maxUnavailable both zero."""
     rolling = ((deployment.get("spec") or {}).get("strategy") or {}).get("rollingUpdate") or {}
-
-    def zero(value: Any) -> bool:
-        return re.fullmatch(r"0+%?", str(value)) is not None
-
     surge, unavailable = rolling.get("maxSurge", "25%"), rolling.get("maxUnavailable", "25%")
-    if zero(surge) and zero(unavailable):
+    if zero_count(surge) and zero_count(unavailable):
         path = "spec.strategy.rollingUpdate.maxUnavailable"
         return [(path, "may not be 0 when maxSurge is 0")]
     return []
@@ -385,7 +381,7 @@ def _context_problems(sc: Manifest, at: str) -> list[tuple[str, str]]:
 
 # Key fields that the API server defaults before it merges (the OpenAPI's defaults, which
 # the JSON schemas here leave out): an item without one has the default as its key.
-_KEY_DEFAULTS = {"protocol": "TCP"}
+KEY_DEFAULTS = {"protocol": "TCP"}
 
 
 def apply_problems(obj: Manifest) -> list[tuple[str, str]]:
@@ -419,12 +415,12 @@ def _walk(value: Any, schema: Manifest, path: str, problems: list[tuple[str, str
     for i, item in enumerate(value):
         label = str(i)
         if list_type == "map" and isinstance(item, dict):
-            missing = [k for k in keys if item.get(k) is None and k not in _KEY_DEFAULTS]
+            missing = [k for k in keys if item.get(k) is None and k not in KEY_DEFAULTS]
             if missing:
                 problems.append((f"{path}[{i}]", f"an item of an associative list omits its key "
                                  f"field {', '.join(missing)}"))  # fmt: skip
                 continue
-            key = tuple(item.get(k, _KEY_DEFAULTS.get(k)) for k in keys)
+            key = tuple(item.get(k, KEY_DEFAULTS.get(k)) for k in keys)
             label = ",".join(f"{k}={v}" for k, v in zip(keys, key, strict=True))
             if key in seen:
                 problems.append((f"{path}[{label}]", f"duplicate entries for key [{label}]: "

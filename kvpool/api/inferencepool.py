@@ -399,7 +399,7 @@ class ResourceRequirements(Spec):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
-def _zero(value: int | str) -> bool:
+def zero_count(value: int | str) -> bool:
     """0, "0%", "00%": what a Deployment reads as none."""
     return re.fullmatch(r"0+%?", str(value)) is not None
 
@@ -420,8 +420,8 @@ class RolloutSpec(RuledSpec):
                 not (
                     s.max_surge is not None
                     and s.max_unavailable is not None
-                    and _zero(s.max_surge)
-                    and _zero(s.max_unavailable)
+                    and zero_count(s.max_surge)
+                    and zero_count(s.max_unavailable)
                 )
             ),
         ),
@@ -441,9 +441,9 @@ class RolloutSpec(RuledSpec):
         (a Deployment the API server refuses): an unset one is 1 where the other is 0."""
         surge, unavailable = self.max_surge, self.max_unavailable
         if surge is None:
-            surge = 1 if (unavailable is not None and _zero(unavailable)) or not gpu else 0
+            surge = 1 if (unavailable is not None and zero_count(unavailable)) or not gpu else 0
         if unavailable is None:
-            unavailable = 1 if _zero(surge) else 0
+            unavailable = 1 if zero_count(surge) else 0
         return surge, unavailable
 
 
