@@ -103,39 +103,11 @@ def start_router(name: str, servers: list[VLLMServer], model: Path, tmp: Path) -
         def ready() -> bool:
             health = routing.get_json(url + "/health")
             return isinstance(health, dict) and health.get("workers_up", 0) == len(servers)
-    elif name == "smg":
-        # its module, not the `smg` script, which sglang-router 0.3.2 installs too
-        argv = [sys.executable, "-c", "import sys; from smg.cli import main; sys.exit(main())"]
-        argv += ["launch", "--policy", "cache_aware", "--host", "127.0.0.1"]
-        argv += ["--port", str(port), "--prometheus-host", "127.0.0.1"]
-        argv += ["--prometheus-port", str(port + 1), "--log-level", "warn"]
-        argv += ["--worker-urls", *urls]
-
-        def ready() -> bool:
-            listing = routing.get_json(url + "/workers")
-            if not isinstance(listing, dict):
-                return False
-            up = [w for w in listing.get("workers", []) if w.get("is_healthy")]
-            return len(up) == len(servers)
-    else:
-        argv = [sys.executable, "-m", "vllm_router.launch_router"]
-        argv += ["--policy", "kv_aware", "--host", "127.0.0.1"]
-        argv += ["--port", str(port), "--prometheus-host", "127.0.0.1"]
-        argv += ["--prometheus-port", str(port + 1), "--log-level", "warning"]
-        argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", "tiny"]
-        argv += ["--worker-urls", *urls]
-        for s in servers:
-            argv += ["--kv-event-source", f"{s.url}={s.events}"]
-            argv += ["--kv-event-replay-source", f"{s.url}={s.replay}"]
-
-        def ready() -> bool:
-            import httpx
-
-            try:
-                body = {"model": "tiny", "prompt": "ready", "max_tokens": 1}
-                return httpx.post(url + "/v1/completions", json=body, timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
+    else:  # the same peer command lines as the simulated routing benchmark's
+        fleet = routing.Fleet(
+            urls, [], [s.events for s in servers], [s.replay for s in servers], BLOCK
+        )
+        argv, ready = routing.peer_router(name, port, fleet, "tiny")
 
     proc = subprocess.Popen(argv, env=routing.ENV, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     routing.wait_until(ready, proc, f"the {name} router", log, timeout=90)

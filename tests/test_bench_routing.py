@@ -174,12 +174,14 @@ def test_mooncake_prompts_share_exactly_the_blocks_their_hash_ids_share(
 def test_a_tiny_run_writes_results_in_the_issues_nesting(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     argv = [sys.executable, str(SCRIPT), "--workloads", "one-system-prompt"]
-    argv += ["--policies", "kvpool,sglang-router", "--rates", "4", "--duration", "1.5"]
+    # every peer router: vllm-router reads the fleet's KV events (map encoding) and replay
+    policies = "kvpool,sglang-router,smg,vllm-router"
+    argv += ["--policies", policies, "--rates", "4", "--duration", "1.5"]
     argv += ["--time-scale", "1", "--out", str(tmp_path)]
     subprocess.run(argv, env=env, cwd=ROOT, check=True, capture_output=True, timeout=240)
     results = json.loads((tmp_path / "routing.json").read_text())
     by_rate = results["one-system-prompt"]
-    assert set(by_rate) == {"kvpool", "sglang-router"}
+    assert set(by_rate) == set(policies.split(","))
     for policy in by_rate.values():
         r = policy["4"]
         keys = {"hit_ratio", "ttft_p50", "ttft_p90", "ttft_p99", "throughput", "imbalance"}
@@ -217,6 +219,63 @@ def test_goals_tell_misses_within_run_to_run_noise_from_real_ones(routing: Modul
     assert [(m["rate"], m["beyond"]) for m in ttft["misses"]] == [("8", False), ("16", True)]
     assert not hit["held"] and hit["held_within_noise"]  # one point under, at 8 req/s
     assert "within noise" in routing.describe_goal(hit)
+
+
+def test_the_goal_against_the_peers_is_against_the_best_of_them_at_each_rate(
+    routing: ModuleType,
+) -> None:
+    def run(p90: float, hit: float) -> dict[str, float]:
+        return {"ttft_p90": p90, "hit_ratio": hit}
+
+    rows = {
+        "kvpool": {"8": run(1.0, 0.5), "16": run(1.0, 0.7), "24": run(1.0, 0.8)},
+        # the best peer differs by rate: smg at 16, vllm-router at 24
+        "smg": {"8": run(9.0, 0.1), "16": run(1.2, 0.6), "24": run(3.0, 0.6)},
+        "vllm-router": {"8": run(9.0, 0.1), "16": run(4.0, 0.6), "24": run(1.5, 0.82)},
+        "round-robin": {"8": run(0.5, 0.9), "16": run(0.5, 0.9), "24": run(0.5, 0.9)},
+    }
+    by_goal = {g["goal"]: g for g in routing.goals("groups", rows)}
+    ttft = by_goal["TTFT p90 >= 1.3x lower than the best peer router's at the two highest rates"]
+    assert ttft["ratios"] == {"16": pytest.approx(1.2), "24": pytest.approx(1.5)}
+    assert ttft["best_peer"] == {"16": "smg", "24": "vllm-router"}
+    assert not ttft["held"] and ttft["held_within_noise"]  # 1.2 is within 10% of 1.3
+    hit = by_goal["hit ratio at least the best peer router's at the two highest rates"]
+    assert not hit["held"] and hit["held_within_noise"]  # 80% against 82%: two points
+    # a baseline is no peer: round-robin's better figures count only in the first goals
+    assert "round-robin" not in str(ttft) + str(hit)
+
+
+def test_a_peer_router_is_started_with_its_projects_settings(
+    routing: ModuleType, tmp_path: Path
+) -> None:
+    fleet = routing.Fleet(
+        ["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        [],
+        ["tcp://127.0.0.1:11", "tcp://127.0.0.1:12"],
+        ["tcp://127.0.0.1:21", "tcp://127.0.0.1:22"],
+        16,
+    )
+    argv, _ = routing.peer_router("vllm-router", 9000, fleet, "tiny")
+    assert argv[argv.index("--policy") + 1] == "kv_aware"
+    # every worker's event stream and replay socket, the block size and the model
+    pairs = [argv[i + 1] for i, a in enumerate(argv) if a == "--kv-event-source"]
+    assert pairs == [
+        "http://127.0.0.1:1=tcp://127.0.0.1:11",
+        "http://127.0.0.1:2=tcp://127.0.0.1:12",
+    ]
+    replays = [argv[i + 1] for i, a in enumerate(argv) if a == "--kv-event-replay-source"]
+    assert replays == [
+        "http://127.0.0.1:1=tcp://127.0.0.1:21",
+        "http://127.0.0.1:2=tcp://127.0.0.1:22",
+    ]
+    assert argv[argv.index("--kv-event-block-size") + 1] == "16"
+    assert argv[argv.index("--kv-event-model") + 1] == "tiny"
+    for name in ("smg", "sglang-router"):
+        argv, _ = routing.peer_router(name, 9000, fleet, "tiny")
+        assert argv[argv.index("--policy") + 1] == "cache_aware"
+        assert argv[argv.index("--worker-urls") + 1 :] == fleet.workers
+    with pytest.raises(ValueError, match="peer routers"):
+        routing.peer_router("kvpool", 9000, fleet, "tiny")
 
 
 def test_every_conversation_carries_one_session_id_of_its_own(
@@ -282,8 +341,8 @@ def test_the_affinity_run_compares_affinity_on_and_off_beside_the_sglang_router(
     # the whole benchmark is what it was: no variant unless named, written to routing.*
     default = routing.plan(parser.parse_args([]), parser)
     assert default.name == "routing"
-    baselines = ["round-robin", "least-loaded", "prefix-only", "sglang-router"]
-    assert default.policies == ["kvpool", *baselines]
+    baselines = ["round-robin", "least-loaded", "prefix-only"]
+    assert default.policies == ["kvpool", *baselines, "sglang-router", "smg", "vllm-router"]
     with pytest.raises(SystemExit):
         routing.plan(parser.parse_args(["--affinity", "--policies", "kvpool"]), parser)
 
