@@ -43,6 +43,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvpool.cost import backlog_seconds
+
 logger = logging.getLogger(__name__)
 
 DECODE = "decode"
@@ -237,7 +239,7 @@ def _pressures(
             missing.append("backlog")
         else:
             tokens = rs.queued_prefill_tokens / per_replica
-            seconds = tokens / rate
+            seconds = backlog_seconds(tokens, rate)  # the cost model's queue term
             out.append(
                 _Pressure(
                     seconds / target,

@@ -211,6 +211,7 @@ def worker_rows(pool: WorkerPool, now: float) -> list[dict[str, Any]]:
                 "itl_s": s.itl,
                 "kv_usage": s.kv_usage,
                 "waiting": s.waiting,
+                "unaccounted_waiting": s.unaccounted_waiting,
                 "running": s.running,
                 "batch_capacity": s.batch_capacity,
                 "circuit_open": s.breaker.is_open(now),

@@ -71,10 +71,17 @@ def _cmd_route(args: argparse.Namespace) -> int:
             continue
         scores = " ".join(f"{k}={v:.2f}" for k, v in c["scores"].items())
         ttft = c["predicted_ttft_s"]
+        terms = c.get("ttft_terms") or {}
+        # the cost model's terms: overhead + queue + waiting + prefill = predicted TTFT
+        parts = " + ".join(
+            f"{k.removesuffix('_s')} {v * 1000:.0f}" for k, v in terms.items() if v is not None
+        )
         print(
             f"   {c['worker']}: cached {c['cached_tokens']}, queued {c['queued_tokens']}, "
             f"in flight {c['in_flight']}, predicted TTFT "
-            f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'}, {scores}"
+            f"{'-' if ttft is None else f'{ttft * 1000:.0f} ms'}"
+            + (f" ({parts} ms)" if parts else "")
+            + f", {scores}"
         )
         if note := _no_credit(workers.get(c["worker"])):
             print(f"      no cache credit: {note}")

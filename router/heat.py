@@ -12,9 +12,10 @@ copied one system prompt at 8 requests a second to every worker of eight, each c
 computing its 2,000 tokens again for requests that a holder's decode batch took on at
 little cost.) A session's first request is the exception: the session's later steps stay
 where it goes, so for it the requests in flight, decodes included, size the holders
-(``SESSION_PER_HOLDER`` a holder). The policy's ``spread`` scorer asks for a new copy when
-a prompt's deepest shared prefix has fewer holders than that (:meth:`PrefixHeat.holders`);
-the queue-driven spill stays as it was.
+(``COST.heat_session_per_holder`` a holder; the constants are :mod:`kvpool.cost`'s).
+The policy's ``spread`` scorer asks for a new copy when a prompt's deepest shared prefix
+has fewer holders than that (:meth:`PrefixHeat.holders`); the queue-driven spill stays as
+it was.
 
 A prefix is named by the key of its last block (a block key names its whole chain): the
 router names a prompt's at a power of two of blocks, at most four fifths of its deepest
@@ -31,10 +32,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvpool.cost import COST
+
 __all__ = ["SESSION_PER_HOLDER", "PrefixHeat"]
 
 #: requests in flight a holder of a prefix that sessions start with should carry
-SESSION_PER_HOLDER = 2.0
+SESSION_PER_HOLDER = COST.heat_session_per_holder
 
 
 class PrefixHeat:
@@ -42,10 +45,10 @@ class PrefixHeat:
 
     def __init__(
         self,
-        half_life_s: float = 10.0,
+        half_life_s: float = COST.heat_half_life_s,
         capacity: int = 4096,
-        min_requests: float = 4.0,
-        per_holder: float = 3.0,
+        min_requests: float = COST.heat_min_requests,
+        per_holder: float = COST.heat_per_holder,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if half_life_s <= 0 or capacity < 1:

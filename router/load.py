@@ -1,4 +1,5 @@
-"""The cost model: what a worker has been sent, and how long its prefill takes.
+"""A worker's load as this router knows it: what it has been sent, and how long its
+prefill takes (the cost model that prices it is :mod:`kvpool.cost`).
 
 Each worker's load, as the router sees it, is written here and nowhere else:
 
@@ -28,51 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ITL_WEIGHT", "PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
+from ..cost import COST, PrefillModel
 
-
-@dataclass(slots=True)
-class PrefillModel:
-    """A worker's time to first token as ``overhead + tokens / rate``, learned online.
-
-    An exponentially weighted least-squares fit of observed TTFTs against the prompt
-    tokens the worker had to prefill for them (its queue at routing time plus the
-    request's uncached tokens). Until the observations spread enough to fit a slope, the
-    prior rate stands, so a fresh worker is neither feared nor favoured.
-    """
-
-    rate: float = 8000.0  # prompt tokens per second
-    overhead: float = 0.03  # seconds
-    decay: float = 0.05  # weight of each new observation
-    _n: float = 0.0
-    _mx: float = 0.0
-    _my: float = 0.0
-    _vxx: float = 0.0
-    _vxy: float = 0.0
-
-    @property
-    def observations(self) -> int:
-        return int(self._n)
-
-    def predict(self, tokens: float) -> float:
-        return self.overhead + tokens / self.rate
-
-    def observe(self, tokens: float, ttft: float) -> None:
-        if ttft <= 0 or tokens < 0:
-            return
-        a = self.decay if self._n >= 1 / self.decay else 1 / (self._n + 1)
-        self._n += 1
-        dx, dy = tokens - self._mx, ttft - self._my
-        self._mx += a * dx
-        self._my += a * dy
-        self._vxx = (1 - a) * (self._vxx + a * dx * dx)
-        self._vxy = (1 - a) * (self._vxy + a * dx * dy)
-        # A slope needs prompts of different sizes: at least ~64 tokens of spread.
-        if self._n >= 4 and self._vxx > 64.0**2:
-            slope = self._vxy / self._vxx
-            if slope > 0:
-                self.rate = min(max(1 / slope, 50.0), 5e6)
-        self.overhead = min(max(self._my - self._mx / self.rate, 0.0), 10.0)
+__all__ = ["PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
 
 
 @dataclass(slots=True)
@@ -109,13 +68,6 @@ class Ticket:
             self._prefilled.set()
 
 
-#: weight of each new time-per-output-token reading in a worker's average
-ITL_WEIGHT = 0.1
-#: a follower waits for its leader's prefill up to this many times the leader's predicted
-#: time for the blocks they share
-LEADER_MARGIN = 1.5
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -147,7 +99,7 @@ class WorkerLoad:
     #: the pool's model, fitted to every worker's TTFTs at once (shared by the pool's
     #: workers): what a worker without enough TTFTs of its own is judged by
     pooled_prefill: PrefillModel | None = field(default=None, repr=False)
-    itl: float | None = None  # seconds per output token, averaged (ITL_WEIGHT)
+    itl: float | None = None  # seconds per output token, averaged (COST.itl_weight)
     itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
     #: what the other router replicas have on it (router.peers): requests in flight and
     #: prompt tokens not yet prefilled, their rows summed, each written by its replica
@@ -325,8 +277,8 @@ class WorkerLoad:
         it computes only its own tail. Only a request whose first token this router sees
         leads (a stream or a prefill leg), and only one routed before the follower. The
         time: the leader's predicted TTFT for its queue and the blocks they share, from
-        when it was routed, times :data:`LEADER_MARGIN` (a prediction that was wrong costs
-        the follower a bounded wait, not a hang).
+        when it was routed, times ``COST.leader_margin`` (:mod:`kvpool.cost`): a prediction
+        that was wrong costs the follower a bounded wait, not a hang.
 
         ``model``: gives the prefill model the prediction uses, the one routing judges this
         worker by (its own without it), asked only when there is a leader (most requests
@@ -354,7 +306,7 @@ class WorkerLoad:
         if prefill is None:
             return best, math.inf
         work = best.queued_ahead + most * block_size  # ahead of it, then the shared blocks
-        return best, best.routed_at + LEADER_MARGIN * prefill.predict(work)
+        return best, best.routed_at + COST.leader_margin * prefill.predict(work)
 
     def computing(self, keys: Sequence[int]) -> int:
         """How many of the prompt ``keys``' leading blocks are computed here at most: the
@@ -383,7 +335,7 @@ class WorkerLoad:
         if self.itl is None:
             self.itl = seconds
         else:
-            self.itl += ITL_WEIGHT * (seconds - self.itl)
+            self.itl += COST.itl_weight * (seconds - self.itl)
 
     def learn_itl(self, total: float | None, count: float | None) -> None:
         """The mean time per output token since the last scrape, from the growth of the

@@ -52,8 +52,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvpool.cost import COST, PrefillModel, TTFTEstimate, predict_ttft, unaccounted_tokens
+
 from .agreement import UNJUDGED
-from .load import PrefillModel
 
 __all__ = [
     "FILTERS",
@@ -101,13 +102,17 @@ class WorkerView:
     #: prefilled of them since it began on them (at the rate routing judges it by)
     queued_tokens: int = 0
     kv_usage: float | None = None  # scraped vllm:kv_cache_usage_perc, 0..1
-    waiting: int | None = None  # scraped vllm:num_requests_waiting
+    #: requests it reported waiting (vllm:num_requests_waiting) that no router knew to be
+    #: waiting there: the cost model's ``waiting`` term (:mod:`kvpool.cost`)
+    unaccounted_waiting: int = 0
     prefill: PrefillModel = field(default_factory=PrefillModel)
     batch_capacity: int | None = None  # requests it runs at once: announced, or seen queueing
     batch_announced: bool = False  # the worker said it (its max_num_seqs): exact, not learned
     #: KV its requests in flight take, in tokens (their prompts and most output): decode
     #: load weighed by what each sequence holds, not counted
     active_tokens: int = 0
+    #: what each of this router's requests in flight there holds on average (tokens)
+    kv_per_request: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +216,8 @@ class Candidate:
     active_tokens: int = 0
     scores: dict[str, float] = field(default_factory=dict)  # scorer -> score in [0, 1]
     total: float | None = None
+    #: its predicted TTFT term by term (the cost model, :mod:`kvpool.cost`)
+    ttft_terms: TTFTEstimate | None = None
 
 
 @dataclass(slots=True)
@@ -355,11 +362,27 @@ FILTERS: dict[str, Filter] = {
 Scorer = Callable[[RouteRequest, list[WorkerView]], dict[str, float]]
 
 
-def predicted_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) -> float:
-    """``cached``: the request's cached tokens there, when the caller has them already."""
+def estimate_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) -> TTFTEstimate:
+    """The cost model's prediction for ``req`` on ``w``, term by term (:mod:`kvpool.cost`):
+    its uncached tokens, behind the worker's queue and the waiting requests no router
+    accounts for, each as long as this router's there on average (or as this request, with
+    none there). ``cached``: the request's cached tokens there, when the caller has them."""
     if cached is None:
         cached = req.cached_tokens(w)
-    return w.prefill.predict(w.queued_tokens + req.num_tokens - cached)
+    waiting = w.unaccounted_waiting
+    return predict_ttft(
+        w.prefill,
+        uncached_tokens=req.num_tokens - cached,
+        queued_tokens=w.queued_tokens,
+        waiting_tokens=unaccounted_tokens(waiting, w.kv_per_request or req.num_tokens)
+        if waiting
+        else 0.0,
+    )
+
+
+def predicted_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) -> float:
+    """:func:`estimate_ttft`'s total, in seconds."""
+    return estimate_ttft(req, w, cached).total_s
 
 
 def _ttft_score(req: RouteRequest, workers: list[WorkerView]) -> dict[str, float]:
@@ -493,9 +516,9 @@ class PolicyConfig:
         ("spread", 1.5),
     )
     picker: Literal["max", "round-robin", "random"] = "max"
-    guard_ratio: float = 1.5
-    guard_slack: float = 4.0
-    guard_kv_usage: float = 0.97
+    guard_ratio: float = COST.guard_ratio
+    guard_slack: float = COST.guard_slack
+    guard_kv_usage: float = COST.guard_kv_usage
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.filters if f not in FILTERS]
@@ -560,7 +583,8 @@ class Policy:
         ttft = req._ttft = {}
         for w in workers:  # every worker, every decision: positional, each figure once
             cached = req.cached_tokens(w)
-            predicted = ttft[w.id] = predicted_ttft(req, w, cached)
+            estimate = estimate_ttft(req, w, cached)
+            predicted = ttft[w.id] = estimate.total_s
             rows[w.id] = Candidate(
                 w.id,
                 None,
@@ -572,6 +596,7 @@ class Policy:
                 w.batch_capacity,
                 w.batch_announced,
                 w.active_tokens,
+                ttft_terms=estimate,
             )
         try:
             return self._decide(req, workers, rows, dry_run)
@@ -718,7 +743,8 @@ def saturation(
 
 
 def _full(c: Candidate, bound_s: float) -> bool:
-    """Whether a request sent to this worker now would wait there: behind prompt tokens
+    """Whether a request sent to this worker now would wait there: behind prompt work
+    (routers' queued tokens, or requests the worker reports waiting that no router sent)
     predicted to take over ``bound_s``, or for a place in its batch. The prediction sees
     prefill work only; a worker whose batch is full queues a request however short its
     prompt. A worker with nothing queued takes it whatever its prediction: a long prompt on
@@ -729,7 +755,9 @@ def _full(c: Candidate, bound_s: float) -> bool:
     A learned one (the most it was seen running while others waited) may be low (a KV
     cache full of long prompts): an eighth more keeps the worker queueing a little, which
     is how a larger batch, when it can run one, is seen."""
-    if c.queued_tokens > 0 and (c.predicted_ttft_s or 0.0) > bound_s:
+    terms = c.ttft_terms
+    ahead = c.queued_tokens > 0 or (terms is not None and terms.waiting_s > 0)
+    if ahead and (c.predicted_ttft_s or 0.0) > bound_s:
         return True
     return _batch_full(c.in_flight, c.batch_capacity, c.batch_announced)
 

@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from kvpool.cost import COST
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import EventSubscriber, RankedSubscriber
 from kvpool.openai_api import WorkerInfo
@@ -112,6 +113,9 @@ class WorkerState(WorkerLoad):
     kv_usage: float | None = None
     waiting: float | None = None
     running: float | None = None
+    #: of the requests it reported waiting at the last scrape, how many no router knew to
+    #: be waiting for a first token there then (sent by someone else, or preempted)
+    unaccounted_waiting: int = 0
     #: how many requests it takes at once: a kvpool worker's max_num_seqs from its info, a
     #: vLLM worker's from its deployment (``max-num-seqs=``, the pod's annotation), or the
     #: most it was seen running while others waited (vLLM's max_num_seqs, or what its KV
@@ -164,7 +168,7 @@ class WorkerState(WorkerLoad):
         fresh = self.scraped_at is not None and now - self.scraped_at <= max_load_age
         endpoint = self.endpoint
         up = self.status == "up"
-        waiting = self.waiting
+        own = self.in_flight
         return WorkerView(
             endpoint.id,
             endpoint.role,
@@ -177,11 +181,12 @@ class WorkerState(WorkerLoad):
             self.in_flight + self.peer_in_flight,
             self.queued_tokens(now) + self.peer_queued,
             self.kv_usage if fresh else None,
-            None if waiting is None or not fresh else int(waiting),
+            self.unaccounted_waiting if fresh else 0,
             self.prefill,
             self.batch_capacity,
             self.batch_announced,
             self.active_tokens,
+            self.active_tokens / own if own else 0.0,
         )
 
     def set_models(self, cards: list[dict[str, Any]]) -> None:
@@ -222,11 +227,11 @@ class PoolConfig:
 
 
 #: TTFTs seen before a worker's own prefill model is trusted over its peers'
-LEARNED_AFTER = 8
+LEARNED_AFTER = COST.learned_after
 #: where the prefill model routing uses for a worker comes from: see prefill_models
 PrefillSource = Literal["own", "median", "pool", "prior"]
 #: how long the pool's typical prefill model (the median of the learned ones) is reused
-TYPICAL_EVERY_S = 0.25
+TYPICAL_EVERY_S = COST.typical_every_s
 
 
 def _boot(info: WorkerInfo) -> str:
@@ -465,6 +470,7 @@ class WorkerPool:
         if not was_down:
             log.warning("worker %s is down: %s", state.id, why)
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
+        state.unaccounted_waiting = 0
         state.itl_totals = None  # a restarted worker counts from zero again
         state.status = "down"
         if dead and not state.tracked:
@@ -731,6 +737,9 @@ class WorkerPool:
         """One reading of a worker's load from its ``/metrics``: whether it came. A
         vLLM-size page costs the router ~0.4 ms of CPU a scrape, fetch included
         (``bench/scrape.py``): no thread hop needed."""
+        # the requests routers know to be waiting for a first token there (decode legs, which
+        # wait for a KV transfer in the worker's queue, too), as the page is read
+        known = len(state.queued) + state.peer_prefilling
         try:
             status, body = await self._get(state.url + "/metrics")
             _raise_for_status("/metrics", status)
@@ -741,6 +750,10 @@ class WorkerPool:
         state.kv_usage = values.get("vllm:kv_cache_usage_perc")
         state.waiting = values.get("vllm:num_requests_waiting")
         state.running = values.get("vllm:num_requests_running")
+        # counted against the more the routers knew of while the page was read: a request
+        # whose first token came meanwhile was not waiting when the worker wrote it
+        known = max(known, len(state.queued) + state.peer_prefilling)
+        state.unaccounted_waiting = max(0, int(state.waiting or 0) - known)
         queueing = state.waiting and state.running and state.waiting >= 1
         if queueing and not state.batch_announced:
             state.batch_capacity = max(state.batch_capacity or 0, int(state.running or 0))

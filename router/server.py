@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from fractions import Fraction
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from kvpool import __version__, tracing
+from kvpool.cost import COST
 from kvpool.hashing import BlockHasher
 from kvpool.httpguard import BodyError, raise_open_files_limit, read_body
 from kvpool.openai_api import (
@@ -69,7 +71,9 @@ from .upstream import Upstream
 log = logging.getLogger(__name__)
 
 #: a prompt's deepest shared prefix is judged for spreading from this many blocks on
-SPREAD_MIN_BLOCKS = 4
+SPREAD_MIN_BLOCKS = COST.spread_min_blocks
+#: the share as an exact fraction (4/5): a block count times it, rounded down, in integers
+_DEPTH = Fraction(COST.heat_depth_share).limit_denominator(100)
 
 #: the longest ``X-Request-Id`` taken from a client (it is passed to the worker and logged)
 MAX_REQUEST_ID = 256
@@ -678,9 +682,10 @@ class Router(AdminEndpoints):
         routed.ranks = {w: r for w, (_, r) in matched.items() if r is not None}
         blocks = {w: b for w, (b, _) in matched.items()}
         # The prefix is named at a power of two of blocks, at most four fifths of the
-        # deepest match: the blocks after it (where a question starts) differ from request
-        # to request, and would split one system prompt's heat over many names.
-        most = max(blocks.values(), default=0) * 4 // 5
+        # deepest match (COST.heat_depth_share): the blocks after it (where a question
+        # starts) differ from request to request, and would split one system prompt's heat
+        # over many names.
+        most = max(blocks.values(), default=0) * _DEPTH.numerator // _DEPTH.denominator
         depth = 1 << (most.bit_length() - 1) if most else 0
         key = routed.keys[depth - 1] if depth >= SPREAD_MIN_BLOCKS else None
         if observe and not routed.heat_seen:

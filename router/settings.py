@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from kvpool.cost import COST
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 from kvpool.httpguard import Network, parse_networks
 
@@ -51,8 +52,8 @@ class RouterSettings(BaseModel):
     # policy
     policy: Literal["kvpool", "round-robin", "random", "least-loaded", "prefix-only"] = "kvpool"
     scorer: list[str] = Field(default_factory=list)  # name=weight, replaces the policy's
-    guard_ratio: float = Field(1.5, ge=1.0)
-    guard_slack: float = Field(4.0, ge=0.0)
+    guard_ratio: float = Field(COST.guard_ratio, ge=1.0)
+    guard_slack: float = Field(COST.guard_slack, ge=0.0)
     # session affinity: a soft score for the worker a conversation was last sent to,
     # keyed by this header (a session is named, never guessed); weight 0 turns it off
     session_header: str = "x-session-id"
