@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost import COST, PrefillModel
+from kvpool.cost import COST, PrefillModel
 
 __all__ = ["PrefillModel", "Ticket", "WorkerLoad", "common_prefix"]
 
