@@ -32,7 +32,7 @@ SYSTEM = (
 
 
 async def rounds(keys: Any, fields: Any, n: int, thread: bool) -> list[float]:
-    from kvpool.router import tokens
+    from kvpool.router.routing import tokens
 
     saved = tokens.INLINE_PROMPT_SIZE
     if thread:
@@ -51,8 +51,8 @@ async def rounds(keys: Any, fields: Any, n: int, thread: bool) -> list[float]:
 
 async def measure(n: int) -> dict[str, Any]:
     from kvpool.hashing import BlockHasher
-    from kvpool.router.request import read_fields
-    from kvpool.router.tokens import PromptKeys
+    from kvpool.router.proxy.request import read_fields
+    from kvpool.router.routing.tokens import PromptKeys
     from kvpool.tokenization import PrefixTokenCache, load_tokenizer
     from kvpool.worker.tiny import make_tiny_model
 

@@ -1,4 +1,4 @@
-"""The router's block index (``router/index.py``) beside the one before issue 21, same run.
+"""The router's block index (``router/state/index.py``) beside the one before issue 21, same run.
 
 The baseline is the index as it was at ``BASELINE_REV`` (read with ``git show`` and loaded
 by path), so both run on the same machine, in the same run, on the same workloads. Every
@@ -63,7 +63,7 @@ RESULTS = Path(__file__).parent / "results"
 ME = str(Path(__file__).resolve())
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
-BASELINE_REV = "09c0ca2"  # the last commit of router/index.py before issue 21
+BASELINE_REV = "09c0ca2"  # the last commit of router/state/index.py before issue 21
 GOAL_STALL_MS = 5.0
 STALL_RUNS = 3
 GOAL_DECISION_P99_MS = 1.0
@@ -99,7 +99,7 @@ QUICK = {
 def load_index(path: str) -> Any:
     """The ``BlockIndex`` class: this tree's (``path`` "new") or the file at ``path``."""
     if path == "new":
-        from kvpool.router.index import BlockIndex
+        from kvpool.router.state.index import BlockIndex
 
         return BlockIndex
     spec = importlib.util.spec_from_file_location("kvpool_index_baseline", path)
@@ -387,14 +387,14 @@ def baseline_file(rev: str, folder: str) -> str | None:
     """The baseline index's source at ``rev``, written to ``folder``; None without git."""
     try:
         source = subprocess.run(
-            ["git", "show", f"{rev}:router/index.py"],
+            ["git", "show", f"{rev}:router/state/index.py"],
             cwd=REPO,
             capture_output=True,
             text=True,
             check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        print(f"no baseline: git show {rev}:router/index.py failed ({e})", file=sys.stderr)
+        print(f"no baseline: git show {rev}:router/state/index.py failed ({e})", file=sys.stderr)
         return None
     path = os.path.join(folder, "index_baseline.py")
     Path(path).write_text(source)

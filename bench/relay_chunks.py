@@ -90,7 +90,7 @@ class _Worker:
 
 
 def relay_class(per_read_timer: bool) -> type:
-    from kvpool.router.relay import Relay, sse_error
+    from kvpool.router.proxy.relay import Relay, sse_error
 
     if not per_read_timer:
         return Relay
@@ -128,7 +128,7 @@ def relay_class(per_read_timer: bool) -> type:
 
 
 async def one_stream(cls: type, chunks: list[bytes], metrics: Any) -> int:
-    from kvpool.router.sse import SSEWatch
+    from kvpool.router.proxy.sse import SSEWatch
 
     relay = cls(_Worker(), None, "r", _Response(chunks), time.monotonic(), SSEWatch(),
                 metrics, IDLE_S, on_close=lambda relay: None)  # fmt: skip
@@ -141,7 +141,7 @@ async def one_stream(cls: type, chunks: list[bytes], metrics: Any) -> int:
 
 
 async def measure(streams: int) -> dict[str, Any]:
-    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.admin.metrics import RouterMetrics
 
     metrics = RouterMetrics(lambda: [], lambda worker: 0)
     chunks = sse_chunks(TOKENS)

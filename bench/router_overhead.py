@@ -1,5 +1,8 @@
 """Router overhead: the latency the router adds, the request rate it sustains, and its
-routing decision time, beside the SGLang router (``cache_aware``) in the same run.
+routing decision time, beside today's peer routers in the same run: the SGLang router
+(``sglang-router``, ``cache_aware``), its successor the Shepherd Model Gateway (``smg``,
+``cache_aware``) and vLLM's router (``vllm-router``, ``kv_aware``; the stub publishes no KV
+events, so it routes on what it knows without them, as kvpool's router does here).
 
 **Added latency and highest rate.** Four zero-latency workers (a stub in this file: it
 answers ``/v1/completions`` at once, streamed or not, and the endpoints both routers probe)
@@ -7,10 +10,13 @@ serve the same open-loop load (Poisson arrivals, the same requests at the same t
 four ways: straight to the workers (the baseline), through a bare Python proxy (uvicorn and
 kvpool's client to the workers, nothing else: the floor under any router built like
 kvpool's), through ``kvpool router serve`` and through ``sglang-router launch --policy
-cache_aware``. Added latency is a router's client
-latency less the baseline's, at 200 requests/s, non-streamed (and streamed: time to the
-first body byte), over several rounds that take the four in turn. The highest sustained
-rate comes from a ramp of the offered load: a step is sustained when 95% of its requests
+cache_aware`` and the other peers. Added latency is a router's client
+latency less the baseline's, at 200 requests/s, non-streamed completions and chats (and
+streamed: time to the first body byte), over several rounds that take the targets in turn.
+**Streams**: 500-token streams at ``--stream-rate`` (the stub writes each event on its own,
+2 ms apart, as a decoding worker does); a router's CPU per streamed chunk is what a
+500-token stream costs it beyond a 16-token one, over the 484 chunks between. The highest
+sustained rate comes from a ramp of the offered load: a step is sustained when 95% of its requests
 complete within the step and their p99 stays under ``--p99-limit-ms``.
 
 On a small machine the load generator, the router and the workers compete for cores, so
@@ -41,6 +47,7 @@ import contextlib
 import datetime as dt
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -61,25 +68,29 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 ME = str(Path(__file__).resolve())
 KVPOOL = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
-SGLANG = [sys.executable, "-m", "sglang_router.launch_router"]
 ENV = {**os.environ, "PYTHONSAFEPATH": "1"}  # never import the repository's operator/
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny-model"
 
-#: part one's targets, taken in turn each round: the baseline, the floor, the two routers
-TARGETS = ("direct", "bare", "kvpool", "sglang")
+#: the peer routers (part one), by their name here and in the JSON's keys
+PEERS = {"sglang": "sglang-router", "smg": "smg", "vllm-router": "vllm-router"}
+#: part one's targets, taken in turn each round: the baseline, the floor, the routers
+TARGETS = ("direct", "bare", "kvpool", *PEERS)
+#: the output tokens of a long stream (issue 43: 500 a stream)
+LONG_STREAM_TOKENS = 500
 
-GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P50_MS = 0.5  # issue 43
 GOAL_ADDED_P99_MS = 5.0
 GOAL_DECISION_P99_MS = 1.0
-GOAL_CPU_MS = 0.35  # router CPU per request
-GOAL_PROCESSES_RATIO = 1.7  # 2 processes against 1, on this machine
+GOAL_CPU_MS = 0.40  # router CPU per non-streamed request (issue 43)
+GOAL_CPU_US_PER_CHUNK = 2.0  # router CPU per streamed chunk, end to end (issue 43)
+GOAL_PROCESSES_RATIO = 1.6  # 2 processes against 1, on this machine (issue 43)
 
 
 # -- the zero-latency worker ------------------------------------------------------------------
 
 
-def serve_stub_workers(base_port: int, count: int) -> None:
+def serve_stub_workers(base_port: int, count: int, chunk_gap_s: float = 0.002) -> None:
     """``count`` stub workers on consecutive ports, one event loop: ``/v1/completions``
     answered at once (a whole body, or every SSE event in one write), plus what the routers
     ask a worker at start-up and while running (health, models, ``/kvpool/info`` without KV
@@ -116,6 +127,17 @@ def serve_stub_workers(base_port: int, count: int) -> None:
         b"/metrics": gauges.encode(),
     }
 
+    def tokenize(body: bytes) -> bytes:
+        """vLLM's ``/tokenize`` answer (vLLM's router asks it for a prompt's tokens): one
+        token a word, numbered by the word's length."""
+        req = json.loads(body)
+        text = req.get("prompt") or " ".join(
+            str(m.get("content", "")) for m in req.get("messages") or ()
+        )
+        tokens = [len(w) for w in str(text).split()]
+        answer = {"count": len(tokens), "max_model_len": 32768, "tokens": tokens}
+        return whole(200, json.dumps(answer).encode())
+
     def whole(status: int, body: bytes, kind: bytes = b"application/json") -> bytes:
         head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
         reason = b"OK" if status == 200 else b"Not Found"
@@ -127,6 +149,13 @@ def serve_stub_workers(base_port: int, count: int) -> None:
             return chat_stream(int(req.get("max_tokens") or 16))
         n = int(req.get("max_tokens") or 16)
         rid = "cmpl-" + uuid.uuid4().hex
+        if chat and not req.get("stream"):
+            message = {"role": "assistant", "content": " tok" * n}
+            choice = {"index": 0, "message": message, "finish_reason": "length"}
+            usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
+            out = {"id": rid, "object": "chat.completion", "created": int(time.time())}
+            out |= {"model": MODEL_NAME, "choices": [choice], "usage": usage}
+            return whole(200, json.dumps(out).encode())
         if not req.get("stream"):
             choice = {"index": 0, "text": " tok" * n, "finish_reason": "length"}
             usage = {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}
@@ -143,6 +172,19 @@ def serve_stub_workers(base_port: int, count: int) -> None:
         parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         return b"".join(parts)
 
+    async def paced(transport: Any, response: bytes) -> None:
+        """A long stream as a decoding worker sends it: its head and each event in a write
+        of its own, ``chunk_gap_s`` apart."""
+        head, _, rest = response.partition(b"\r\n\r\n")
+        transport.write(head + b"\r\n\r\n")
+        chunks = rest.split(b"\r\n")
+        pieces = [b"\r\n".join(chunks[i : i + 2]) + b"\r\n" for i in range(0, len(chunks) - 1, 2)]
+        for piece in pieces:
+            await asyncio.sleep(chunk_gap_s)
+            if transport.is_closing():
+                return
+            transport.write(piece)
+
     def chat_stream(n: int) -> bytes:
         rid = "chatcmpl-" + uuid.uuid4().hex
         parts = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"]
@@ -156,6 +198,8 @@ def serve_stub_workers(base_port: int, count: int) -> None:
             parts.append(b"%x\r\n%s\r\n" % (len(data), data))
         parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         return b"".join(parts)
+
+    tasks: set[asyncio.Future[None]] = set()
 
     class Worker(asyncio.Protocol):
         def __init__(self) -> None:
@@ -185,7 +229,16 @@ def serve_stub_workers(base_port: int, count: int) -> None:
         def on_message_complete(self) -> None:
             path = self.url.split(b"?", 1)[0]
             if path == b"/v1/completions" and self.parser.get_method() == b"POST":
-                self.transport.write(completion(b"".join(self.body)))
+                body = b"".join(self.body)
+                answer = completion(body)
+                req = json.loads(body)
+                if req.get("stream") and int(req.get("max_tokens") or 16) > 64:
+                    tasks.add(task := asyncio.ensure_future(paced(self.transport, answer)))
+                    task.add_done_callback(tasks.discard)
+                else:
+                    self.transport.write(answer)
+            elif path == b"/tokenize" and self.parser.get_method() == b"POST":
+                self.transport.write(tokenize(b"".join(self.body)))
             elif path == b"/v1/chat/completions" and self.parser.get_method() == b"POST":
                 self.transport.write(completion(b"".join(self.body), chat=True))
             elif path in fixed:
@@ -213,12 +266,12 @@ def serve_stub_workers(base_port: int, count: int) -> None:
 def serve_bare_proxy(port: int, workers: list[str]) -> None:
     """The floor under any router built like kvpool's: uvicorn (uvloop, httptools) and an
     ASGI app that passes each request to the next worker in turn with kvpool's own client
-    to the workers (``router/upstream.py``), and the answer back, streamed or whole. No
+    to the workers (``router/proxy/upstream.py``), and the answer back, streamed or whole. No
     parsing, tokenizing, hashing, admission, policy, metrics or retries: what is left of a
     router's cost per request when all of that costs nothing."""
     import uvicorn
 
-    from kvpool.router.upstream import Upstream
+    from kvpool.router.proxy.upstream import Upstream
 
     client: Upstream | None = None
     turn = 0
@@ -601,6 +654,22 @@ def wait_until(check: Callable[[], bool], proc: subprocess.Popen[bytes], what: s
     wait_until(check, proc, what)
 
 
+#: each peer as the tables name it
+PEER_LABELS = {
+    "sglang": "SGLang router (cache_aware)",
+    "smg": "smg (cache_aware)",
+    "vllm-router": "vLLM router (kv_aware)",
+}
+
+
+def _routing() -> Any:
+    """bench/routing.py, whose peer command lines these are."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import routing
+
+    return routing
+
+
 @dataclass
 class Target:
     """Where the client sends: the workers themselves, or a router in front of them."""
@@ -650,18 +719,21 @@ def start_router(
             return get(url + "/health")[0] == 200
 
         label = "bare Python proxy"
-    else:
-        metrics_port = free_ports(1)
-        argv = [*SGLANG, "--host", HOST, "--port", str(port), "--policy", "cache_aware"]
-        argv += ["--prometheus-host", HOST, "--prometheus-port", str(metrics_port)]
-        argv += ["--log-level", "warn", "--worker-urls", *workers]
-        proc = start(argv, cpus, logs / "sglang-router.log")
+    else:  # a peer, as bench/routing.py starts it (its metrics on the next port)
+        port = free_ports(2)
+        url = f"http://{HOST}:{port}"
+        from kvpool.hashing import DEFAULT_BLOCK_SIZE
 
-        def ready() -> bool:  # its /health says OK before it has workers: ask for a completion
+        routing = _routing()
+        fleet = routing.Fleet(workers, [], [], [], DEFAULT_BLOCK_SIZE)  # no KV events
+        argv, _ = routing.peer_router(PEERS[name], port, fleet, MODEL_NAME)
+        proc = start(argv, cpus, logs / f"{name}.log")
+
+        def ready() -> bool:  # a peer's /health may say OK before it has workers
             body = {"model": MODEL_NAME, "prompt": "ready?", "max_tokens": 1}
             return post(url + "/v1/completions", body) == 200
 
-        label = "SGLang router (cache_aware)"
+        label = PEER_LABELS[name]
     wait_until(ready, proc, label)
     return Target(name, label, [port], proc)
 
@@ -701,6 +773,18 @@ def request_mix(
 def payloads(prompts: list[str], stream: bool, max_tokens: int) -> list[bytes]:
     body = {"model": MODEL_NAME, "max_tokens": max_tokens, "stream": stream}
     return [http_post("/v1/completions", body | {"prompt": p}) for p in prompts]
+
+
+def chat_payloads(prompts: list[str], max_tokens: int) -> list[bytes]:
+    """The same prompts as non-streamed chats: the system prompt, then the question."""
+    out = []
+    for p in prompts:
+        system, _, question = p.partition(" Question ")
+        messages = [{"role": "system", "content": system}]
+        messages.append({"role": "user", "content": "Question " + question})
+        body = {"model": MODEL_NAME, "max_tokens": max_tokens, "messages": messages}
+        out.append(http_post("/v1/chat/completions", body))
+    return out
 
 
 # -- part 1: added latency and highest sustained rate -----------------------------------------
@@ -787,6 +871,19 @@ async def measure_target(
             client, mixes["short"], args.rate, args.short_phase_s, seed=round_, pids=pids
         )
         await client.drain(10.0)
+        out["chat"] = await run_phase(
+            client, mixes["chat"], args.rate, args.short_phase_s, seed=round_, pids=pids
+        )
+        await client.drain(10.0)
+        out["long_stream"] = await run_phase(
+            client,
+            mixes["long_stream"],
+            args.stream_rate,
+            args.short_phase_s,
+            seed=round_,
+            pids=pids,
+        )
+        await client.drain(10.0)
         if with_ramp:
             out["max_rps"], out["ramp"] = await ramp(client, mixes["main"], args, pids)
         return out
@@ -813,6 +910,8 @@ async def part_one(
         "main": payloads(prompts, False, args.max_tokens),
         "stream": payloads(prompts, True, args.max_tokens),
         "short": payloads(short, False, args.max_tokens),
+        "chat": chat_payloads(prompts, args.max_tokens),
+        "long_stream": payloads(prompts, True, LONG_STREAM_TOKENS),
     }
     setup = {
         "cores": len(cpus),
@@ -872,15 +971,24 @@ async def part_one(
 #: sample's part; a sample with no Python frame under the loop's is the event loop's own
 #: work in C (uvloop, sockets, httptools' parser, callbacks)
 PROFILE_PARTS = (
-    ("tokenizing the prompt", ("kvpool/tokenization.py", "tokenizers", "router/tokens.py")),
+    ("tokenizing the prompt", ("kvpool/tokenization.py", "tokenizers", "router/routing/tokens.py")),
     ("hashing the prompt's blocks", ("kvpool/hashing.py",)),
-    ("the index (match, speculate)", ("router/index.py", "router/feed.py")),
-    ("planning (views, policy)", ("router/policy.py", "router/pool.py", "router/load.py")),
-    ("admission and tenants", ("router/admission.py", "router/tenants.py", "router/flow.py")),
-    ("parsing the request", ("router/request.py", "kvpool/openai_api.py", "json/")),
-    ("the client to the workers", ("router/upstream.py",)),
-    ("forwarding and relaying", ("router/forward.py", "router/relay.py", "router/sse.py")),
-    ("metrics (prometheus_client)", ("prometheus_client", "router/metrics.py")),
+    ("the index (match, speculate)", ("router/state/index.py", "router/state/feed.py")),
+    (
+        "planning (views, policy)",
+        ("router/routing/policy.py", "router/state/pool.py", "router/state/load.py"),
+    ),
+    (
+        "admission and tenants",
+        ("router/admission/gate.py", "router/admission/tenants.py", "router/admission/flow.py"),
+    ),
+    ("parsing the request", ("router/proxy/request.py", "kvpool/openai_api.py", "json/")),
+    ("the client to the workers", ("router/proxy/upstream.py",)),
+    (
+        "forwarding and relaying",
+        ("router/proxy/forward.py", "router/proxy/relay.py", "router/proxy/sse.py"),
+    ),
+    ("metrics (prometheus_client)", ("prometheus_client", "router/admin/metrics.py")),
     ("uvicorn and Starlette", ("uvicorn/", "starlette/", "fastapi/", "kvpool/httpguard.py")),
     ("the rest of the gateway", ("router/",)),
 )
@@ -1179,10 +1287,13 @@ def part_two(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
     from kvpool.hashing import BlockHasher, block_key
-    from kvpool.router import policy as P
-    from kvpool.router.discovery import WorkerEndpoint
-    from kvpool.router.index import BlockIndex
-    from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState
+    from kvpool.router.routing.inputs import RouteRequest
+    from kvpool.router.routing.planner import Planner, SplitConfig
+    from kvpool.router.routing.policy import POLICIES
+    from kvpool.router.state.discovery import WorkerEndpoint
+    from kvpool.router.state.index import BlockIndex
+    from kvpool.router.state.pool import WorkerPool
+    from kvpool.router.state.worker import PoolConfig, WorkerState
 
     block, prompt_blocks, vocab = 16, 512, 32000
     prompt_tokens = prompt_blocks * block
@@ -1239,8 +1350,8 @@ def part_two(args: argparse.Namespace) -> dict[str, Any]:
                 n = rng.randint(100, 8000)
                 state.prefill.observe(n, 0.02 + n / rng.uniform(9000, 11000))
         pool.workers[w] = state
-    config = P.POLICIES["kvpool"]
-    planner = P.Planner(config, P.SplitConfig())  # the router plans a split or not
+    config = POLICIES["kvpool"]
+    planner = Planner(config, SplitConfig())  # the router plans a split or not
     decide: Callable[[Any, list[Any]], Any] = lambda req, views: planner.plan(req, views)  # noqa: E731
 
     def query(q: int) -> tuple[list[int], int]:
@@ -1282,7 +1393,7 @@ def part_two(args: argparse.Namespace) -> dict[str, Any]:
             keys = hasher.prompt_keys(toks)
             t1 = time.perf_counter()
             views = pool.views()
-            req = P.RouteRequest(
+            req = RouteRequest(
                 num_tokens=len(toks), block_size=block, matched_blocks=index.match(keys)
             )
             decision = decide(req, views)
@@ -1364,12 +1475,22 @@ def pooled(rounds: dict[int, dict[str, Any]], mix: str) -> Phase:
     )
 
 
-def figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+#: part one's request mixes, and which latency each is judged by
+MIXES = (
+    ("main", "latency"),
+    ("stream", "ttft"),
+    ("short", "latency"),
+    ("chat", "latency"),
+    ("long_stream", "latency"),
+)
+
+
+def figures(results: dict[str, dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     direct = results["direct"]
     for name in TARGETS:
         f: dict[str, Any] = {}
-        for mix, which in (("main", "latency"), ("stream", "ttft"), ("short", "latency")):
+        for mix, which in MIXES:
             mine = pooled(results[name], mix)
             # Per round, against the baseline's same round; the median of the rounds, so
             # that one round disturbed by the rest of the machine does not make the figure.
@@ -1389,6 +1510,14 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             for r in results[name].values()
             for mix in ("main", "stream", "short")
         ]
+        # a stream's chunks beyond a short stream's: what each costs the router's CPU
+        long_cpu = f["long_stream_cpu_ms_per_request"].get("router")
+        short_cpu = f["stream_cpu_ms_per_request"].get("router")
+        f["cpu_us_per_chunk"] = (
+            (long_cpu - short_cpu) * 1000 / (LONG_STREAM_TOKENS - max_tokens)
+            if long_cpu is not None and short_cpu is not None
+            else None
+        )
         last = results[name][max(results[name])]
         f["max_rps"] = last["max_rps"]
         f["ramp"] = last["ramp"]
@@ -1519,6 +1648,26 @@ def render(
         f"| {ba['max_rps']:,.0f} | {kv['max_rps']:,.0f} | {sg_rate} "
         f"| {kv['max_rps'] / sg['max_rps']:.2f}x |",
     ]
+    peer_rows = [
+        "| at 200 req/s unless said | added p50, ms | chats: added p50, ms "
+        "| streamed: first byte added p50, ms "
+        f"| router CPU per request, ms | chats: CPU per request, ms "
+        f"| CPU per streamed chunk, µs ({LONG_STREAM_TOKENS}-token streams at "
+        f"{args.stream_rate:g}/s) | highest sustained rate, req/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    labels = {"bare": "bare Python proxy (floor)", "kvpool": "kvpool router", **PEER_LABELS}
+    for name in ("bare", "kvpool", *PEERS):
+        f = fig[name]
+        chunk = f["cpu_us_per_chunk"]
+        peer_rows.append(
+            f"| {labels[name]} "
+            f"| {_ms(f['main_added_p50_ms'])} | {_ms(f['chat_added_p50_ms'])} "
+            f"| {_ms(f['stream_added_p50_ms'])} "
+            f"| {f['main_cpu_ms_per_request']['router']:.3f} "
+            f"| {f['chat_cpu_ms_per_request']['router']:.3f} "
+            f"| {'-' if chunk is None else f'{chunk:.2f}'} | {f['max_rps']:,.0f} |"
+        )
     d = decision
     drows = [
         f"| {d['workers']} workers, {d['entries'] / 1e6:.2f}M indexed entries, "
@@ -1539,6 +1688,7 @@ def render(
         "added_p99": kv["main_added_p99_ms"] <= GOAL_ADDED_P99_MS,
         "decision_p99": d["decision_ms"]["p99"] <= GOAL_DECISION_P99_MS,
         "cpu_per_request": cpu_kv <= GOAL_CPU_MS,
+        "cpu_per_chunk": (kv["cpu_us_per_chunk"] or math.inf) <= GOAL_CPU_US_PER_CHUNK,
         "rate": kv["max_rps"] >= sg["max_rps"],
     }
     cores_all = setup.get("cores_all")
@@ -1570,6 +1720,8 @@ def render(
         f"({d['decision_ms']['p99']:.3f} ms)",
         f"- router CPU per request <= {GOAL_CPU_MS:g} ms: {met(goals['cpu_per_request'])} "
         f"({cpu_kv:.3f} ms; the SGLang router's {cpu_sg:.3f} ms)",
+        f"- router CPU per streamed chunk <= {GOAL_CPU_US_PER_CHUNK:g} µs: "
+        f"{met(goals['cpu_per_chunk'])} ({kv['cpu_us_per_chunk'] or math.nan:.2f} µs)",
         f"- sustained rate on one core at least the SGLang router's: {met(goals['rate'])} "
         f"({kv['max_rps']:,.0f} vs {sg['max_rps']:,.0f} req/s)",
     ]
@@ -1665,6 +1817,10 @@ def render(
             "",
             *rows,
             "",
+            "## Beside today's peers: chats and long streams",
+            "",
+            *peer_rows,
+            "",
             "## Routing decision time",
             "",
             *drows,
@@ -1694,7 +1850,7 @@ def plot(results: dict[str, dict[str, Any]], fig: dict[str, Any], path: Path, li
 
     labels = {"direct": "straight to the workers", "kvpool": "kvpool router"}
     labels["bare"] = "bare Python proxy (floor)"
-    labels["sglang"] = "SGLang router (cache_aware)"
+    labels |= PEER_LABELS
     figure, (cdf, ramp) = plt.subplots(1, 2, figsize=(12, 4.4))
     for name, label in labels.items():
         style = {"linewidth": 2.5} if name == "kvpool" else {"linestyle": "--"}
@@ -1750,6 +1906,9 @@ def main() -> int:
     parser.add_argument("--p99-limit-ms", type=float, default=50.0)
     parser.add_argument("--system-tokens", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--stream-rate", type=float, default=20.0, help=f"{LONG_STREAM_TOKENS}-token streams/s"
+    )
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--indexed-blocks", type=int, default=1_000_000)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
@@ -1813,13 +1972,13 @@ def main() -> int:
     print("decision time: populating the index", file=sys.stderr, flush=True)
     decision = decision_in_a_fresh_process(args)
     setup["loadavg"] = [load_start, os.getloadavg()[0]]
-    fig = figures(results)
+    fig = figures(results, args.max_tokens)
     text, goals = render(fig, decision, setup, args)
     elapsed = time.monotonic() - started
-    import sglang_router
+    from importlib.metadata import version
 
     machine = f"{platform.machine()}, {setup['cores']} cores, Python {platform.python_version()}"
-    peer = f"sglang-router {getattr(sglang_router, '__version__', '?')}"
+    peer = ", ".join(f"{dist} {version(dist)}" for dist in PEERS.values())
     header = (
         f"# Router overhead ({dt.date.today()}, {machine}; {peer}; run time "
         f"{elapsed / 60:.1f} min{', --quick' if args.quick else ''})\n"
@@ -1844,6 +2003,20 @@ def main() -> int:
         "bare_proxy_max_rps": fig["bare"]["max_rps"],
         "bare_proxy_added_p50_ms": fig["bare"]["main_added_p50_ms"],
         "sglang_cpu_ms_per_request": sg["main_cpu_ms_per_request"]["router"],
+        "router_cpu_us_per_chunk": kv["cpu_us_per_chunk"],
+        "chat_added_p50_ms": kv["chat_added_p50_ms"],
+        "chat_cpu_ms_per_request": kv["chat_cpu_ms_per_request"]["router"],
+        **{
+            f"{name.replace('-', '_')}_{key}": value
+            for name in PEERS
+            for key, value in (
+                ("router_cpu_ms_per_request", fig[name]["main_cpu_ms_per_request"]["router"]),
+                ("router_cpu_us_per_chunk", fig[name]["cpu_us_per_chunk"]),
+                ("added_p50_ms", fig[name]["main_added_p50_ms"]),
+                ("chat_added_p50_ms", fig[name]["chat_added_p50_ms"]),
+                ("max_rps", fig[name]["max_rps"]),
+            )
+        },
         "long_prompt_added_ttft_ms": setup["long"]["kvpool"]["added_ttft_ms"],
         "sglang_long_prompt_added_ttft_ms": setup["long"]["sglang"]["added_ttft_ms"],
         "huge_prompt": {k: setup["long"][k]["huge"] for k in ("kvpool", "sglang")},

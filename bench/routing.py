@@ -126,7 +126,7 @@ KVPOOL_POLICIES: dict[str, tuple[str, ...]] = {
 }
 #: two kvpool routers (the default policy) in front of the same workers, each sent every
 #: other request, as a Service in front of a two-replica router Deployment would; they
-#: share their load and speculative entries (router/peers.py: --peer-bind, --peer)
+#: share their load and speculative entries (router/state/peers.py: --peer-bind, --peer)
 REPLICAS = "kvpool-2-replicas"
 #: today's peer routers (see the module's text for how each is started)
 PEERS = ("sglang-router", "smg", "vllm-router")
@@ -665,10 +665,11 @@ def peer_router(
         argv += [*host, "--log-level", "warning"]  # it takes no "warn"
         argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1)]
         argv += ["--kv-event-block-size", str(fleet.block_size), "--kv-event-model", model]
-        for worker, events in zip(fleet.workers, fleet.events, strict=True):
-            argv += ["--kv-event-source", f"{worker}={events}"]
-        for worker, replay in zip(fleet.workers, fleet.replays, strict=False):
-            argv += ["--kv-event-replay-source", f"{worker}={replay}"]
+        if fleet.events:  # workers that publish none: it routes without them
+            for worker, events in zip(fleet.workers, fleet.events, strict=True):
+                argv += ["--kv-event-source", f"{worker}={events}"]
+            for worker, replay in zip(fleet.workers, fleet.replays, strict=False):
+                argv += ["--kv-event-replay-source", f"{worker}={replay}"]
     else:
         raise ValueError(f"{name!r} is not one of the peer routers {PEERS}")
     argv += ["--worker-urls", *fleet.workers]

@@ -120,9 +120,10 @@ async def scrapes(url: str, n: int) -> dict[str, Any]:
     """``WorkerPool.scrape`` of one worker, ``n`` times in a row: CPU and wall per scrape."""
     import aiohttp
 
-    from kvpool.router.discovery import WorkerEndpoint
-    from kvpool.router.index import BlockIndex
-    from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState
+    from kvpool.router.state.discovery import WorkerEndpoint
+    from kvpool.router.state.index import BlockIndex
+    from kvpool.router.state.pool import WorkerPool
+    from kvpool.router.state.worker import PoolConfig, WorkerState
 
     async with aiohttp.ClientSession() as session:
         pool = WorkerPool(PoolConfig(block_size=16, hash_seed="0"), BlockIndex(), session)
@@ -153,7 +154,7 @@ def main() -> int:
         args.scrapes = 200
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvpool.router.pool import parse_load
+    from kvpool.router.state.scrape import parse_load
     from kvpool.stack import free_port, wait_until
 
     page = vllm_metrics_page()

@@ -50,12 +50,16 @@ class CostSettings:
     *derived* (follows from how the engines work), or *tuned* (only a benchmark cell of
     ``bench/routing.py`` justifies it; kept until it becomes a term of the model)."""
 
-    #: prefill rate assumed before any TTFT is seen, prompt tokens a second. *Measured*:
-    #: the timing model of an 8B model on an H100 that the simulated workers use
-    #: (``worker/sim.py``) prefills about 8,000 tokens a second at the batch sizes seen.
+    #: prefill rate assumed before any TTFT is seen, prompt tokens a second. *Derived*: it
+    #: only ranks workers until the pool's first TTFT (then the pool's fit, and each
+    #: worker's own, replace it), and every worker starts with it, so only its order of
+    #: magnitude matters: an 8B model on one H100 prefills ~27,700 tokens a second
+    #: (SGLang's published figure, ``bench/results/sim_calibration.md``), a CPU worker far
+    #: fewer; 8,000 keeps a queue of a few thousand tokens visible either way.
     prior_rate_tokens_per_s: float = 8000.0
-    #: fixed part of a TTFT assumed before any is seen, seconds. *Measured*: the same
-    #: timing model's first decode step plus HTTP on a loopback, about 30 ms.
+    #: fixed part of a TTFT assumed before any is seen, seconds. *Derived*: a prefill
+    #: step's fixed cost on that GPU is 16.5 ms (the simulator's calibration, same file),
+    #: plus HTTP and tokenizing; like the rate, replaced by the first fit.
     prior_overhead_s: float = 0.03
     #: weight of each new TTFT in the prefill fit (exponential forgetting): about the last
     #: twenty requests count. *Derived*: a worker's rate changes with its batch, which
@@ -75,9 +79,10 @@ class CostSettings:
     #: ten readings (a scrape interval's gaps) make the average.
     itl_weight: float = 0.1
     #: a request held behind another's prefill of the blocks they share waits up to this
-    #: many times that prefill's predicted time. *Derived*: the prediction's error on the
-    #: simulated fleet and on vLLM CPU workers stays within half of it (``bench/
-    #: sim_calibration.py``); the margin bounds the cost of a wrong one.
+    #: many times that prefill's predicted time. *Tuned*: the prediction's error has not
+    #: been measured on its own; the margin bounds what a wrong one costs the follower (half
+    #: again the predicted wait), and the follower is let go at the leader's first token
+    #: whichever comes first.
     leader_margin: float = 1.5
     #: a worker's requests in flight stay under this many times the pool's mean
     #: (``guard_slack`` more), the bound growing with the share of the prompt it holds.

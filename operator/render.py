@@ -57,7 +57,7 @@ DEFAULT_IMAGES = "kvpool.io/default-images"
 VERSION_LABEL = "app.kubernetes.io/version"
 
 ROUTER_PORT = 8080
-#: where each router replica publishes its load to the others (router/peers.py)
+#: where each router replica publishes its load to the others (router/state/peers.py)
 ROUTER_PEER_PORT = 7100
 MODEL_MOUNT = "/models/source"
 TOKENIZER_COPY = "/models/tokenizer"

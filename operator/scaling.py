@@ -147,7 +147,7 @@ def scrape(
     return router, workers
 
 
-#: the router's verdict on each worker's cache (router/agreement.py)
+#: the router's verdict on each worker's cache (router/state/agreement.py)
 ROUTER_CACHE_FLAGGED = "kvpool_router_worker_cache_flagged"
 
 

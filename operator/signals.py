@@ -27,7 +27,7 @@ from .autoscaler import DECODE, PREFILL, RoleSignals, Signals
 
 logger = logging.getLogger(__name__)
 
-# The router's series (kvpool.router.metrics) ...
+# The router's series (kvpool.router.admin.metrics) ...
 ROUTER_TTFT = "kvpool_router_time_to_first_token_seconds"
 ROUTER_ITL = "kvpool_router_inter_token_latency_seconds"
 ROUTER_QUEUED = "kvpool_router_worker_queued_prefill_tokens"

@@ -261,7 +261,7 @@ def _forget(prom: Path, runtime: str, pid: int | None) -> None:
         return
     from prometheus_client import multiprocess
 
-    from .metrics import Siblings
+    from .admin.siblings import Siblings
 
     multiprocess.mark_process_dead(pid, str(prom))
     Siblings.retire(os.path.join(runtime, f"rows-{pid}.msgpack"))

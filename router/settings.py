@@ -12,9 +12,11 @@ from kvpool.cost import COST
 from kvpool.hashing import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 from kvpool.httpguard import Network, parse_networks
 
-from .discovery import WorkerEndpoint, parse_static_worker
-from .policy import POLICIES, SCORERS, PolicyConfig, SplitConfig
-from .pool import PoolConfig
+from .routing.planner import SplitConfig
+from .routing.policy import POLICIES, PolicyConfig
+from .routing.scorers import SCORERS
+from .state.discovery import WorkerEndpoint, parse_static_worker
+from .state.worker import PoolConfig
 
 ENV_PREFIX = "KVPOOL_ROUTER_"
 
@@ -65,7 +67,7 @@ class RouterSettings(BaseModel):
     session_ttl_s: float = Field(900.0, gt=0)
     session_capacity: int = Field(100_000, ge=1)
     # a request's speculative index entries live while it waits for its first token, then
-    # this long for the worker's KV event to confirm them (router/index.py); and, as a
+    # this long for the worker's KV event to confirm them (router/state/index.py); and, as a
     # safety net for a request whose end never comes, a key no request has held anew for
     # speculative_hold_max_s is dropped (no request waits longer than its time limits)
     speculative_ttl_s: float = Field(2.0, gt=0)
@@ -86,7 +88,7 @@ class RouterSettings(BaseModel):
     scrape_interval_s: float = Field(1.0, gt=0)
     models_interval_s: float = Field(10.0, gt=0)  # /v1/models again: adapters come and go
     # the longest a worker waits out of rotation for its KV event history to be replayed
-    # into the index (router/pool.py)
+    # into the index (router/state/pool.py)
     index_sync_timeout_s: float = Field(30.0, gt=0)
     # reliability
     max_attempts: int = Field(3, ge=1)
@@ -95,7 +97,7 @@ class RouterSettings(BaseModel):
     breaker_cooldown_s: float = Field(5.0, gt=0)
     # each worker's last answers whose cached tokens (usage) are checked against the
     # index's predictions (0: no check), and the agreement under which it loses cache
-    # credit (router/agreement.py)
+    # credit (router/state/agreement.py)
     cache_check_answers: int = Field(32, ge=0, le=10_000)
     cache_check_flag_below: float = Field(0.25, ge=0.0, le=0.5)
     # whole answers (not streamed): the time for all of it
@@ -129,7 +131,7 @@ class RouterSettings(BaseModel):
     # event replay socket
     pool_secret: SecretStr | None = None
     # router replicas: each binds this ZMQ endpoint and subscribes to the others' (see
-    # router/peers.py), sharing the load it sends each worker and its speculative entries
+    # router/state/peers.py), sharing the load it sends each worker and its speculative entries
     peer_bind: str | None = None
     peer: list[str] = Field(default_factory=list)  # the other replicas' peer endpoints
     # or, with --discovery kubernetes, the other replicas' pods by label (their peer port

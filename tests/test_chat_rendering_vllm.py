@@ -46,8 +46,8 @@ def test_a_servers_content_format_override_is_followed(llama_dir: Path) -> None:
     import asyncio
 
     from kvpool.hashing import BlockHasher
-    from kvpool.router.request import read_fields
-    from kvpool.router.tokens import PromptKeys
+    from kvpool.router.proxy.request import read_fields
+    from kvpool.router.routing.tokens import PromptKeys
     from kvpool.tokenization import vllm_conversation
 
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # auto: "string"

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from kvpool.cost import COST, CostSettings, PrefillModel, backlog_seconds, predict_ttft
-from kvpool.router.policy import Policy, RouteRequest, WorkerView, saturation
+from kvpool.router.routing.inputs import RouteRequest, WorkerView
+from kvpool.router.routing.policy import Policy, saturation
 
 from conftest import RunningRouter
 from recording_worker import RecordingWorker

@@ -515,7 +515,7 @@ def test_the_placeholder_keys_let_nobody_in_until_replaced() -> None:
     naming the tenant and the key's number, never its text; with real keys it is read."""
     import secrets
 
-    from kvpool.router.tenants import TenantsError, parse_tenants
+    from kvpool.router.admission.tenants import TenantsError, parse_tenants
 
     text = tenants_documents()["Secret"]["stringData"]["tenants.yaml"]
     with pytest.raises(TenantsError) as refused:

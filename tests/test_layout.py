@@ -104,3 +104,16 @@ def test_no_import_cycle_anywhere_in_the_project() -> None:
             other_component = ".".join(other.split(".")[:2])
             if other_component in ("kvpool.router", "kvpool.worker", "kvpool.operator"):
                 assert other_component == component, f"{module} imports {other}"
+
+
+def test_no_router_module_is_over_500_lines() -> None:
+    """The router is laid out by concern (proxy, routing, admission, state, admin), each
+    module small enough to read whole."""
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in (ROOT / "router").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, f"over 500 lines: {long}"
+    subpackages = {p.parent.name for p in (ROOT / "router").glob("*/__init__.py")}
+    assert subpackages == {"proxy", "routing", "admission", "state", "admin"}

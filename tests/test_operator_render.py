@@ -229,7 +229,7 @@ def test_a_vllm_pods_slot_count_is_on_the_pod_for_the_router() -> None:
     """vLLM publishes its --max-num-seqs nowhere: where the pool's args set it, the pod's
     annotation says it (each role its own), and the router's discovery reads it, so a first
     burst fills no worker past its slots."""
-    from kvpool.router.discovery import endpoint_from_pod
+    from kvpool.router.state.discovery import endpoint_from_pod
 
     spec = json.loads(json.dumps(SPECS["disaggregated-vllm"]))
     spec["engine"]["args"] += ["--max-num-seqs", "64"]

@@ -504,7 +504,7 @@ def the_example_pool() -> tuple[str, Any, list[dict[str, Any]]]:
 
 def router_series() -> set[str]:
     """The series names the router exports (gauges and histograms; counters with _total)."""
-    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.admin.metrics import RouterMetrics
 
     text = RouterMetrics(lambda: [], lambda worker: 0).render().decode()
     return set(re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE))

@@ -459,8 +459,8 @@ def test_a_saturated_pool_holds_requests_in_the_router_until_a_worker_can_take_t
 
 def gate_of(llama_dir: Path, saturation: Callable[[Any, bool], str | None], **values: Any) -> Any:
     """The router's admission alone, before a pool whose saturation the test decides."""
-    from kvpool.router.admission import Gate
-    from kvpool.router.metrics import RouterMetrics
+    from kvpool.router.admin.metrics import RouterMetrics
+    from kvpool.router.admission.gate import Gate
     from kvpool.router.settings import RouterSettings
 
     settings = RouterSettings(model=str(llama_dir), worker=["http://127.0.0.1:9"], **values)

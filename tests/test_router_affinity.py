@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.router.affinity import MAX_KEY_CHARS, SessionAffinity
+from kvpool.router.routing.affinity import MAX_KEY_CHARS, SessionAffinity
 
 
 class Clock:

@@ -1,6 +1,6 @@
 """The router checks its cache predictions against the workers' reports: a worker that
 hashes its blocks otherwise (a vLLM started without ``PYTHONHASHSEED``) is flagged, loses
-its cache credit, and gets it back once it agrees (router/agreement.py).
+its cache credit, and gets it back once it agrees (router/state/agreement.py).
 
 The end-to-end test runs a router in front of two vLLM-like workers (no ``/kvpool/info``,
 so no registration check can see their seed) that cache prompts by blocks, report
@@ -21,8 +21,8 @@ import pytest
 from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher
 from kvpool.kv_events import EventPublisher
 from kvpool.operator.scaling import cache_condition
-from kvpool.router.agreement import AgreementConfig, CacheAgreement
-from kvpool.router.index import BlockIndex
+from kvpool.router.state.agreement import AgreementConfig, CacheAgreement
+from kvpool.router.state.index import BlockIndex
 from kvpool.tokenization import load_tokenizer
 
 from conftest import RunningRouter
@@ -43,7 +43,7 @@ def test_a_worker_serving_far_less_than_predicted_is_flagged_and_cleared_when_it
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     c = check()
-    with caplog.at_level(logging.ERROR, "kvpool.router.agreement"):
+    with caplog.at_level(logging.ERROR, "kvpool.router.state.agreement"):
         changes = [c.observe(128, 0) for _ in range(4)]
     assert changes == [False, False, False, True]
     assert c.flagged and c.cause == "over-predicted"
@@ -210,7 +210,7 @@ def test_a_worker_with_another_hash_seed_is_flagged_loses_credit_and_recovers_af
         def flagged(worker: str) -> bool:
             return bool(router.workers()[worker]["cache_check"]["flagged"])
 
-        with caplog.at_level(logging.ERROR, "kvpool.router.agreement"):
+        with caplog.at_level(logging.ERROR, "kvpool.router.state.agreement"):
             start = time.monotonic()
             _traffic_until(router, lambda: flagged("bad"), prefixes, 60)
         took = time.monotonic() - start

@@ -103,7 +103,7 @@ def test_a_replay_longer_than_the_sync_timeout_puts_the_worker_in_rotation_with_
 ) -> None:
     worker, pub, _ = _worker_with_history(llama_dir)
     try:
-        with caplog.at_level(logging.WARNING, "kvpool.router.pool"):
+        with caplog.at_level(logging.WARNING, "kvpool.router.state.pool"):
             router = start_router(
                 worker=[_spec(worker, pub)], health_interval_s=0.1, index_sync_timeout_s=0.01
             )

@@ -26,7 +26,7 @@ import httpx
 import kubernetes.client
 import pytest
 
-from kvpool.router.discovery import (
+from kvpool.router.state.discovery import (
     KubernetesDiscovery,
     StaticDiscovery,
     WorkerEndpoint,
@@ -203,7 +203,7 @@ def test_role_comes_from_the_role_label() -> None:
 
 def test_unknown_role_is_no_endpoint_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     pod = make_pod("w-0", labels={"kvpool.io/role": "encode"})
-    with caplog.at_level(logging.WARNING, logger="kvpool.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.router.state.discovery"):
         assert endpoint_from_pod(pod, port=8000) is None
     assert "w-0" in caplog.text and "'encode'" in caplog.text
 
@@ -217,7 +217,7 @@ def test_named_port_is_looked_up_in_the_containers() -> None:
 
 
 def test_missing_named_port_is_no_endpoint_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvpool.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.router.state.discovery"):
         assert endpoint_from_pod(make_pod("w-0"), port="grpc") is None
     assert "no container port named 'grpc'" in caplog.text
 

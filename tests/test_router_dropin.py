@@ -213,8 +213,8 @@ def test_routing_tokens_are_what_the_chat_template_renders(
     from transformers import AutoTokenizer
 
     from kvpool.hashing import BlockHasher
-    from kvpool.router.request import read_fields
-    from kvpool.router.tokens import PromptKeys
+    from kvpool.router.proxy.request import read_fields
+    from kvpool.router.routing.tokens import PromptKeys
     from kvpool.tokenization import PrefixTokenCache
 
     body = case["body"]

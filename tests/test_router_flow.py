@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.openai_api import OpenAIError
-from kvpool.router.flow import (
+from kvpool.router.admission.entries import (
     ENTRY_OVERHEAD_BYTES,
     Band,
     Entry,
-    FairQueue,
     QueueRefused,
     parse_band,
     shed_error,
 )
+from kvpool.router.admission.flow import FairQueue
 
 HIGH, NORMAL, LOW = Band.HIGH, Band.NORMAL, Band.LOW
 

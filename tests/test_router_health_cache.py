@@ -110,7 +110,7 @@ def test_a_router_whose_loop_stalls_marks_no_worker_down(
         router = start_router(worker=[w.spec(f"w{i}") for i, w in enumerate(workers)])
         router.wait_workers_up(2)
         loop = router.server.servers[0].get_loop()
-        with caplog.at_level(logging.WARNING, "kvpool.router.pool"):
+        with caplog.at_level(logging.WARNING, "kvpool.router.state.pool"):
             for _ in range(3):  # blocked 3 s, three times, with health checks in flight
                 loop.call_soon_threadsafe(time.sleep, 3.0)
                 router.workers()  # answered once the loop runs again

@@ -1,5 +1,5 @@
 """A hot prefix is copied to as many workers as its share of the traffic calls for
-(router/heat.py and the policy's ``spread`` scorer)."""
+(router/routing/heat.py and the policy's ``spread`` scorer)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.router.heat import PrefixHeat
+from kvpool.router.routing.heat import PrefixHeat
 
 from recording_worker import RecordingWorker
 

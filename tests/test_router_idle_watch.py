@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvpool.router.relay import IdleWatch
+from kvpool.router.proxy.relay import IdleWatch
 
 IDLE = 0.4
 

@@ -18,7 +18,7 @@ from kvpool.kv_events import (
     KVCacheEvent,
     UnknownEvent,
 )
-from kvpool.router.index import BlockIndex
+from kvpool.router.state.index import BlockIndex
 
 
 class FakeClock:

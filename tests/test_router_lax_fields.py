@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpool.openai_api import OpenAIError
-from kvpool.router.request import read_fields
+from kvpool.router.proxy.request import read_fields
 
 
 def test_scalars_are_read_as_vllm_reads_them() -> None:

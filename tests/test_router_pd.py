@@ -16,13 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.router.policy import (
-    Planner,
-    PolicyConfig,
-    RouteRequest,
-    SplitConfig,
-    WorkerView,
-)
+from kvpool.router.routing.inputs import RouteRequest, WorkerView
+from kvpool.router.routing.planner import Planner, SplitConfig
+from kvpool.router.routing.policy import PolicyConfig
 
 from conftest import TEST_POOL_SECRET, RunningRouter, RunningWorker, WorkerProcess
 

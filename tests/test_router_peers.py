@@ -1,4 +1,4 @@
-"""Router replicas share what each sends (router/peers.py): over real ZMQ sockets on
+"""Router replicas share what each sends (router/state/peers.py): over real ZMQ sockets on
 loopback between links, then between two routers in front of the same workers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import test_router_dropin as dropin
 import zmq
 import zmq.asyncio
 
-from kvpool.router.peers import Load, PeerLink, _encoder
+from kvpool.router.state.peers import Load, PeerLink, _encoder
 from kvpool.stack import free_port
 
 from recording_worker import RecordingWorker

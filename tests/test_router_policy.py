@@ -7,19 +7,11 @@ from collections import Counter
 
 import pytest
 
-from kvpool.router.policy import (
-    FILTERS,
-    SCORERS,
-    Planner,
-    Policy,
-    PolicyConfig,
-    PrefillModel,
-    RouteRequest,
-    SplitConfig,
-    WorkerView,
-    decode_policy_config,
-    saturation,
-)
+from kvpool.router.routing.filters import FILTERS
+from kvpool.router.routing.inputs import PrefillModel, RouteRequest, WorkerView
+from kvpool.router.routing.planner import Planner, SplitConfig, decode_policy_config
+from kvpool.router.routing.policy import Policy, PolicyConfig, saturation
+from kvpool.router.routing.scorers import SCORERS
 
 CFG = PolicyConfig()
 #: the default policy with session affinity, as the router's settings append it
@@ -613,7 +605,7 @@ def test_a_learned_batch_size_does_not_filter() -> None:
 
 
 def test_a_data_parallel_vllms_ranks_are_read_from_its_cache_config() -> None:
-    from kvpool.router.pool import _engines, info_label_sets
+    from kvpool.router.state.scrape import _engines, info_label_sets
 
     page = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"

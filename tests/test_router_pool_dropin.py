@@ -21,13 +21,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.hashing import HASH_ALGORITHM
 from kvpool.kv_events import BlockRemoved, BlockStored, EventBatch, EventPublisher
-from kvpool.router.admin import worker_rows
-from kvpool.router.discovery import WorkerEndpoint
-from kvpool.router.index import BlockIndex
-from kvpool.router.load import PrefillModel, WorkerLoad
-from kvpool.router.metrics import RouterMetrics
-from kvpool.router.policy import Policy, RouteRequest, predicted_ttft
-from kvpool.router.pool import PoolConfig, WorkerPool, WorkerState, parse_load
+from kvpool.router.admin.debug import worker_rows
+from kvpool.router.admin.metrics import RouterMetrics
+from kvpool.router.routing.inputs import RouteRequest
+from kvpool.router.routing.policy import Policy
+from kvpool.router.routing.scorers import predicted_ttft
+from kvpool.router.state.discovery import WorkerEndpoint
+from kvpool.router.state.index import BlockIndex
+from kvpool.router.state.load import PrefillModel, WorkerLoad
+from kvpool.router.state.pool import WorkerPool
+from kvpool.router.state.scrape import parse_load
+from kvpool.router.state.worker import PoolConfig, WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
 """A request whose prompt shares blocks with one still prefilling them on its worker waits
-for that prefill (router/load.py ``WorkerLoad.leader``, router/forward.py ``_follow``):
+for that prefill (router/state/load.py ``WorkerLoad.leader``, router/proxy/forward.py ``_follow``):
 sent at once, the worker would compute the shared blocks a second time beside the first
 (an engine's prefix cache holds only computed blocks), and the two prefills slow each
 other. The wait ends at the leader's first token, when it ends, or at a bound from its
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.router.load import PrefillModel, Ticket, WorkerLoad, common_prefix
+from kvpool.router.state.load import PrefillModel, Ticket, WorkerLoad, common_prefix
 
 from conftest import RunningRouter
 from recording_worker import RecordingWorker

@@ -370,10 +370,10 @@ async def test_discovered_router_pods_are_peers_of_every_process_but_this_pod(
     import asyncio
     import socket
 
-    from kvpool.router import discovery
-    from kvpool.router.discovery import WorkerEndpoint
     from kvpool.router.server import Router
     from kvpool.router.settings import RouterSettings
+    from kvpool.router.state import discovery
+    from kvpool.router.state.discovery import WorkerEndpoint
 
     asked: list[tuple[str, str, object]] = []
 

@@ -749,7 +749,9 @@ def test_worker_hashing_differently_is_reported_and_gets_no_cache_credit(
     assert router.metric("kvpool_router_worker_hash_mismatches_total", worker="a") == 1
     assert router.metric("kvpool_router_worker_compatible", worker="a") == 0
     logged = [
-        r for r in caplog.records if r.name == "kvpool.router.pool" and "a: " in r.getMessage()
+        r
+        for r in caplog.records
+        if r.name == "kvpool.router.state.pool" and "a: " in r.getMessage()
     ]
     assert any(r.levelno == logging.ERROR and problem in r.getMessage() for r in logged)
 

@@ -1,5 +1,5 @@
-"""Speculation owned by requests (router/index.py ``hold``/``release``, router/feed.py,
-router/peers.py): a routed chain counts as held on its worker while the request that sent
+"""Speculation owned by requests (router/state/index.py ``hold``/``release``, router/state/feed.py,
+router/state/peers.py): a routed chain counts as held on its worker while the request that sent
 it waits there, however long the worker's queue, then for a short grace until the worker's
 own KV events confirm it; a failed request takes back only what it alone held; the other
 router replicas hear both; a time bound catches the request whose end never comes."""
@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvpool.router.feed import IndexFeed
-from kvpool.router.index import BlockIndex
-from kvpool.router.peers import Load, PeerLink, _encoder
+from kvpool.router.state.feed import IndexFeed
+from kvpool.router.state.index import BlockIndex
+from kvpool.router.state.peers import Load, PeerLink, _encoder
 from kvpool.stack import free_port
 
 from recording_worker import RecordingWorker

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.router.sse import SSEWatch
+from kvpool.router.proxy.sse import SSEWatch
 
 
 def event(body: Any) -> bytes:

@@ -9,18 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.router import tenants as tenants_module
-from kvpool.router.flow import Band
-from kvpool.router.tenants import (
-    ANONYMOUS,
-    AuthError,
-    KeyStore,
+from kvpool.router.admission import tenants as tenants_module
+from kvpool.router.admission.entries import Band
+from kvpool.router.admission.limits import (
     RateLimiter,
     RateLimitExceeded,
     RequestTooLarge,
+    format_reset,
+)
+from kvpool.router.admission.tenants import (
+    ANONYMOUS,
+    AuthError,
+    KeyStore,
     Tenant,
     TenantsError,
-    format_reset,
     parse_tenants,
 )
 
@@ -295,7 +297,7 @@ def test_a_bad_new_file_keeps_the_old_keys_and_says_why_once(
     volume = SecretVolume(tmp_path, TENANTS_YAML)
     store = KeyStore.from_file(volume.path)
     volume.write(TENANTS_YAML.replace("priority: high", "priority: urgent").replace(KEY_B, KEY_NEW))
-    with caplog.at_level(logging.WARNING, logger="kvpool.router.tenants"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.router.admission.tenants"):
         result = store.reload_if_changed()
         again = store.reload_if_changed()
     assert result.changed is False

@@ -28,16 +28,17 @@ from starlette.responses import Response
 
 from kvpool.hashing import DEFAULT_HASH_SEED, BlockHasher
 from kvpool.kv_events import EventPublisher
-from kvpool.router.agreement import UNJUDGED, AgreementConfig, CacheAgreement
-from kvpool.router.policy import (
-    Planner,
-    PolicyConfig,
-    RouteRequest,
-    SplitConfig,
-    WorkerView,
+from kvpool.router.proxy.request import read_fields, reads_prefix_cache
+from kvpool.router.routing.inputs import RouteRequest, WorkerView
+from kvpool.router.routing.planner import Planner, SplitConfig
+from kvpool.router.routing.policy import PolicyConfig
+from kvpool.router.routing.tokens import (
+    DEFAULT_MEDIA_PART_TOKENS,
+    Batch,
+    BatchPrompt,
+    media_part_tokens,
 )
-from kvpool.router.request import read_fields, reads_prefix_cache
-from kvpool.router.tokens import DEFAULT_MEDIA_PART_TOKENS, Batch, BatchPrompt, media_part_tokens
+from kvpool.router.state.agreement import UNJUDGED, AgreementConfig, CacheAgreement
 from kvpool.tokenization import load_tokenizer
 
 from conftest import RunningRouter

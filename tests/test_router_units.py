@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.router.pool import parse_load
+from kvpool.router.proxy.sse import SSEWatch
 from kvpool.router.settings import RouterSettings
-from kvpool.router.sse import SSEWatch
+from kvpool.router.state.scrape import parse_load
 
 WORKER_METRICS = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage.
@@ -136,8 +136,8 @@ def test_an_error_event_with_a_4xx_code_is_the_clients() -> None:
 def test_a_short_chat_is_tokenized_on_the_loop_and_a_long_one_in_a_thread() -> None:
     """A thread hop costs a short chat twice the CPU (bench/chat_tokens.py); a long chat,
     many messages, or tools and documents (long templates) still go to a thread."""
-    from kvpool.router.request import read_fields
-    from kvpool.router.tokens import INLINE_CHAT_MESSAGES, INLINE_PROMPT_SIZE, _inline_chat
+    from kvpool.router.proxy.request import read_fields
+    from kvpool.router.routing.tokens import INLINE_CHAT_MESSAGES, INLINE_PROMPT_SIZE, _inline_chat
 
     def chat(*messages: str, **extra: Any) -> Any:
         body = {"model": "m", "messages": [{"role": "user", "content": m} for m in messages]}

@@ -1,4 +1,4 @@
-"""The router's HTTP client to the workers (``router/upstream.py``), against raw servers on
+"""The router's HTTP client to the workers (``router/proxy/upstream.py``), against raw servers on
 127.0.0.1 that write exactly the bytes each test needs: connections kept and reused, never
 reused once the worker closed them or the answer was left unread, a streamed body handed on
 as it arrives and the socket paused while nobody reads it, and each way a worker can fail
@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from kvpool.router.upstream import (
+from kvpool.router.proxy.http1 import (
     HIGH_WATER,
     ConnectFailed,
     ConnectTimedOut,
-    Upstream,
     UpstreamClosed,
     _Address,
 )
+from kvpool.router.proxy.upstream import Upstream
 
 pytestmark = pytest.mark.timeout(30)
 

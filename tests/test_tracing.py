@@ -30,10 +30,10 @@ CLIENT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"
 
 ROUTER_SPANS = {
-    "kvpool.router.request",
+    "kvpool.router.proxy.request",
     "kvpool.router.tokenize",
     "kvpool.router.decide",
-    "kvpool.router.upstream",
+    "kvpool.router.proxy.upstream",
 }
 WORKER_SPANS = {
     "kvpool.worker.request",
@@ -129,8 +129,8 @@ def test_router_and_worker_spans_share_the_clients_trace(
     usage = post(router.url, "/v1/completions", body, {"traceparent": TRACEPARENT})
 
     found = trace_of(spans, TRACE_ID, ROUTER_SPANS | WORKER_SPANS)
-    request = one(found, "kvpool.router.request")
-    upstream = one(found, "kvpool.router.upstream")
+    request = one(found, "kvpool.router.proxy.request")
+    upstream = one(found, "kvpool.router.proxy.upstream")
     decide = one(found, "kvpool.router.decide")
     worker_request = one(found, "kvpool.worker.request")
     queue, prefill, decode = (
@@ -193,11 +193,11 @@ def test_a_request_without_traceparent_starts_its_own_trace(
     while not any(s.name == "kvpool.worker.request" for s in spans.get_finished_spans()):
         assert time.monotonic() < deadline, "no worker span"
         time.sleep(0.02)
-    root = next(s for s in spans.get_finished_spans() if s.name == "kvpool.router.request")
+    root = next(s for s in spans.get_finished_spans() if s.name == "kvpool.router.proxy.request")
     assert root.parent is None and root.context is not None
     found = trace_of(spans, f"{root.context.trace_id:032x}", ROUTER_SPANS | WORKER_SPANS)
     assert parent_id(one(found, "kvpool.worker.request")) == span_id(
-        one(found, "kvpool.router.upstream")
+        one(found, "kvpool.router.proxy.upstream")
     )
 
 
@@ -303,7 +303,7 @@ def test_a_split_request_traces_both_legs_and_the_kv_pull(
     by_role = {s.attributes["kvpool.role"]: s for s in found["kvpool.worker.request"]}  # type: ignore[index]
     assert set(by_role) == {"prefill", "decode"}
     assert parent_id(by_role["prefill"]) == span_id(one(found, "kvpool.router.prefill_leg"))
-    assert parent_id(by_role["decode"]) == span_id(one(found, "kvpool.router.upstream"))
+    assert parent_id(by_role["decode"]) == span_id(one(found, "kvpool.router.proxy.upstream"))
     pull = one(found, "kvpool.worker.kv_pull")
     assert parent_id(pull) == span_id(by_role["decode"])
     assert pull.attributes is not None and pull.attributes["kvpool.blocks"] == 3

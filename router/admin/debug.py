@@ -15,21 +15,22 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .heat import SESSION_PER_HOLDER, PrefixHeat
-from .load import Ticket, common_prefix
-from .policy import busy_share
-from .request import Kind, parse_body
+from ..proxy.request import Kind, parse_body
+from ..routing.heat import SESSION_PER_HOLDER, PrefixHeat
+from ..routing.scorers import busy_share
+from ..state.load import Ticket, common_prefix
 
 if TYPE_CHECKING:
-    from .admission import Gate
-    from .forward import Routed
-    from .index import BlockIndex
+    from ..admission.gate import Gate
+    from ..processes import ProcessSlot
+    from ..proxy.routed import Routed
+    from ..routing.inputs import RouteRequest
+    from ..routing.planner import Plan
+    from ..settings import RouterSettings
+    from ..state.index import BlockIndex
+    from ..state.peers import PeerLink
+    from ..state.pool import WorkerPool
     from .metrics import RouterMetrics
-    from .peers import PeerLink
-    from .policy import Plan, RouteRequest
-    from .pool import WorkerPool
-    from .processes import ProcessSlot
-    from .settings import RouterSettings
 
 __all__ = ["AdminEndpoints", "prefix_wait", "route_answer", "worker_rows"]
 

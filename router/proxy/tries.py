@@ -24,12 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .index import Hold
-from .metrics import RouterMetrics
-from .policy import Decision
-from .pool import WorkerPool, WorkerState
+from ..admin.metrics import RouterMetrics
+from ..routing.inputs import Decision
+from ..settings import RouterSettings
+from ..state.index import Hold
+from ..state.pool import WorkerPool
+from ..state.worker import WorkerState
 from .relay import Failed
-from .settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

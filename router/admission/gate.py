@@ -38,10 +38,12 @@ from kvpool import tracing
 from kvpool.httpguard import client_address, connections_bound
 from kvpool.openai_api import OpenAIError
 
-from .flow import Band, Entry, FairQueue, QueueRefused, parse_band, shed_error
-from .metrics import RouterMetrics
-from .settings import RouterSettings
-from .tenants import ANONYMOUS, AuthError, KeyStore, RateLimiter, RateLimitExceeded, Tenant
+from ..admin.metrics import RouterMetrics
+from ..settings import RouterSettings
+from .entries import Band, Entry, QueueRefused, parse_band, shed_error
+from .flow import FairQueue
+from .limits import RateLimiter, RateLimitExceeded
+from .tenants import ANONYMOUS, AuthError, KeyStore, Tenant
 
 log = logging.getLogger(__name__)
 

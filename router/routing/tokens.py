@@ -37,8 +37,8 @@ from kvpool.tokenization import (
     render_chat_text,
 )
 
-from .policy import BatchCredit, most_cached
-from .request import MEDIA_SENTINEL, RoutingFields
+from ..proxy.request import MEDIA_SENTINEL, RoutingFields
+from .inputs import BatchCredit, most_cached
 
 __all__ = [
     "DEFAULT_MEDIA_PART_TOKENS",

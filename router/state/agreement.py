@@ -51,7 +51,7 @@ from typing import Any
 
 __all__ = ["LIKELY_CAUSES", "UNJUDGED", "AgreementConfig", "CacheAgreement"]
 
-log = logging.getLogger("kvpool.router.agreement")
+log = logging.getLogger("kvpool.router.state.agreement")
 
 #: the prediction of an answer that is not to be judged (see the module): not observed
 UNJUDGED = -1

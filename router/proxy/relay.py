@@ -27,11 +27,11 @@ from fastapi.responses import StreamingResponse
 from kvpool import tracing
 from kvpool.openai_api import OpenAIError
 
-from .load import Ticket
-from .metrics import RouterMetrics
-from .pool import WorkerState
+from ..admin.metrics import RouterMetrics
+from ..state.load import Ticket
+from ..state.worker import WorkerState
+from .http1 import UpstreamResponse
 from .sse import SSEWatch
-from .upstream import UpstreamResponse
 
 __all__ = [
     "Failed",

@@ -30,9 +30,7 @@ import contextlib
 import json
 import logging
 import time
-import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -41,20 +39,23 @@ from fastapi.responses import Response
 from kvpool import tracing
 from kvpool.openai_api import OpenAIError
 
-from .admission import Gate, Pass
-from .load import Ticket
-from .metrics import RouterMetrics
-from .policy import Decision, Plan
-from .pool import WorkerPool, WorkerState
+from ..admin.metrics import RouterMetrics
+from ..admission.gate import Gate
+from ..routing.inputs import Decision
+from ..routing.planner import Plan
+from ..settings import RouterSettings
+from ..state.load import Ticket
+from ..state.pool import WorkerPool
+from ..state.worker import WorkerState
+from .http1 import ConnectFailed, ConnectTimedOut, UpstreamResponse
 from .relay import Failed, Relay, RelayResponse, error_message
-from .request import Kind
-from .settings import RouterSettings
+from .routed import DecodeLeg, Routed
+from .split import PrefillLeg
 from .sse import SSEWatch
-from .tokens import Batch
 from .tries import Attempt, Tries
-from .upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamResponse
+from .upstream import Upstream
 
-__all__ = ["DP_RANK_HEADER", "PASSED_HEADERS", "DecodeLeg", "Forwarder", "Routed", "prefill_body"]
+__all__ = ["DP_RANK_HEADER", "PASSED_HEADERS", "Forwarder"]
 
 log = logging.getLogger("kvpool.router.server")
 
@@ -69,58 +70,7 @@ Decide = Callable[..., Decision]
 Pin = Callable[[str, str, str], None]
 
 
-@dataclass
-class Routed:
-    """A request, tokenized and hashed, ready for the policy."""
-
-    request_id: str
-    path: str  # the worker's endpoint
-    body: bytes  # what the workers get: the client's, but for the router's bookkeeping
-    model: str | None
-    stream: bool
-    num_tokens: int
-    keys: list[int]
-    splittable: bool = True  # one prompt: the prefill/decode hand-off carries one
-    #: the router asked for usage on the stream: the usage chunk is not passed on
-    strip_usage: bool = False
-    session: str | None = None
-    #: why the prompt has less cache credit than tokens (content it cannot tokenize)
-    credit_note: str | None = None
-    #: worker -> the data-parallel rank holding its match, from the last lookup
-    ranks: dict[str, int] = field(default_factory=dict)
-    kind: Kind = "completion"
-    #: the client's headers passed on (FORWARDED_HEADERS)
-    headers: dict[str, str] = field(default_factory=dict)
-    #: the worker that stored the response this one continues (previous_response_id)
-    pin: str | None = None
-    #: the most tokens it may generate, all choices together (for the tokens/minute limit)
-    max_tokens: int = 0
-    #: what admission gave it (its tenant, slot, reserved tokens), settled when it ends
-    admitted: Pass | None = None
-    #: the plan admission made when it let the request straight through (the pool was not
-    #: saturated for it): the one it is sent by, not made twice
-    plan: Plan | None = None
-    #: its prefix was counted in the router's heat (once, whatever the plans made for it)
-    heat_seen: bool = False
-    #: a completion's list of prompts (``keys`` are its first's); None for one prompt
-    batch: Batch | None = None
-    #: False: the worker reads no prefix cache for it (prompt logprobs; request.py)
-    reads_cache: bool = True
-
-
-@dataclass
-class DecodeLeg:
-    """The second half of a split: the body with the prefill worker's ``kv_transfer_params``
-    and where they came from (to release the blocks if no decode worker takes them)."""
-
-    body: bytes
-    params: dict[str, Any]
-    prefill: WorkerState
-    tail_tokens: int  # what the decode worker computes itself: the part of a block
-    sent: bool = False  # a decode worker got it: that worker pulls and releases the blocks
-
-
-class Forwarder:
+class Forwarder(PrefillLeg):
     """Sends routed requests to workers and answers their clients (see the module)."""
 
     def __init__(
@@ -228,7 +178,7 @@ class Forwarder:
                 routed.admitted.on_worker()
             # The attempt's span lasts as long as the attempt: a stream's, to its end.
             span = tracing.start_span(
-                "kvpool.router.upstream",
+                "kvpool.router.proxy.upstream",
                 {"kvpool.worker": state.id, "kvpool.attempt": t.number + 1},
             )
             span_error: str | None = "cancelled"
@@ -335,133 +285,6 @@ class Forwarder:
                 self.metrics.prefix_wait.labels("timeout").observe(time.monotonic() - start)
                 return
             self.metrics.prefix_wait.labels("prefilled").observe(time.monotonic() - start)
-
-    # -- the prefill leg of a split ---------------------------------------------------------
-
-    async def _prefill(self, routed: Routed, first: Decision, deadline: float) -> DecodeLeg | None:
-        """Run the prefill leg on the worker of ``first``, or on other prefill workers in
-        turn if it fails; the decode leg that follows, or None if no prefill worker did it
-        (the caller then serves the request whole)."""
-        s = self.settings
-        metrics = self.metrics
-        request = json.loads(routed.body)
-        body = prefill_body(request)
-        tries = Tries(
-            s,
-            self.pool,
-            metrics,
-            routed.request_id,
-            routed.keys,
-            lambda tried: self.decide(routed, tried, leg="prefill"),
-            first=first,
-            stop_at=deadline,
-            what="prefill ",
-        )
-        while (t := await tries.next()) is not None:
-            state, decision = t.state, t.decision
-            now = time.monotonic()
-            ticket = state.begin(
-                routed.num_tokens - decision.cached_tokens,
-                decision.predicted_ttft_s or 0.0,
-                now,
-                shows_first_token=True,  # the leg's answer is its first token
-                kv_tokens=routed.num_tokens,
-                keys=routed.keys,
-                credited_blocks=decision.cached_tokens // s.block_size,
-                queued_ahead=decision.queued_tokens,
-            )
-            leg_deadline = min(deadline, now + s.pd_prefill_timeout_s)
-            try:
-                await self._follow(state, ticket, leg_deadline)
-                answer = await self._prefill_leg(state, routed, body, leg_deadline)
-                state.first_token(ticket, time.monotonic())  # the leg's TTFT: a prefill's
-            except Failed as exc:
-                tries.failed(t, exc, suspect=exc.reason == "5xx")
-                metrics.prefill_failures.labels(exc.reason).inc()
-                log.warning(
-                    "request %s: prefill leg on %s failed: %s", routed.request_id, state.id, exc
-                )
-                if exc.reason in ("refused", "no_params"):
-                    break  # a refusal of the split itself: another prefill worker would too
-                continue
-            finally:
-                state.end(ticket)
-                tries.reached(t)  # the leg's answer is its first token (a failure: no-op)
-            tries.succeeded()
-            metrics.prefill_leg.observe(time.monotonic() - now)
-            usage = answer.get("usage")
-            if isinstance(usage, dict):  # the prefill worker's cache is the one that counts
-                self._observe_usage(usage, state, decision.matched_tokens)
-            params = answer["kv_transfer_params"]
-            full = routed.num_tokens // self.settings.block_size * self.settings.block_size
-            return DecodeLeg(
-                body=json.dumps({**request, "kv_transfer_params": params}).encode(),
-                params=params,
-                prefill=state,
-                tail_tokens=max(routed.num_tokens - full, 1),
-            )
-        log.warning(
-            "request %s: no prefill leg succeeded (%s); serving it whole",
-            routed.request_id,
-            tries.last or "no prefill worker",
-        )
-        return None
-
-    async def _prefill_leg(
-        self, state: WorkerState, routed: Routed, body: bytes, deadline: float
-    ) -> dict[str, Any]:
-        """The prefill worker's answer, with its ``kv_transfer_params``, or :class:`Failed`."""
-        if routed.admitted is not None:
-            routed.admitted.on_worker()
-        with tracing.span("kvpool.router.prefill_leg", {"kvpool.worker": state.id}):
-            headers: dict[str, str] = {}
-            tracing.inject(headers)
-            resp = await self._send(state, routed, deadline, body=body, headers=headers)
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    content = await resp.read()
-            except TimeoutError:
-                state.breaker.on_failure(time.monotonic())
-                raise Failed("timeout", "no answer before the prefill timeout", 504) from None
-            except OSError as exc:
-                state.breaker.on_failure(time.monotonic())
-                raise Failed("connection", f"connection lost ({type(exc).__name__})") from None
-            finally:
-                resp.release()  # kept if read to its end, closed if not
-        text = content.decode(errors="replace")
-        if resp.status != 200:
-            raise Failed("refused", f"{resp.status} {error_message(text)[:300]}")
-        try:
-            answer = json.loads(content)
-            params = answer.get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            answer, params = None, None
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            raise Failed("no_params", f"the answer has no kv_transfer_params: {text[:200]}")
-        state.breaker.on_success()
-        return answer
-
-    def _release_prefill(self, leg: DecodeLeg) -> None:
-        """Free blocks pinned for a decode leg that no worker got (a kvpool prefill worker's
-        ``DELETE /kv/{id}``; any other's pin times out on its own)."""
-        rid = leg.params.get("remote_request_id")
-        if leg.prefill.info is None or not isinstance(rid, str) or self.upstream is None:
-            return
-        url = f"{leg.prefill.url}/kv/{urllib.parse.quote(rid, safe='')}"
-        upstream = self.upstream
-        token = leg.params.get("kvpool_token")  # the hand-off's own one-time credential
-        headers = {"Authorization": f"Bearer {token}"} if isinstance(token, str) else None
-
-        async def delete() -> None:
-            with contextlib.suppress(Exception):  # best effort: the pin times out anyway
-                async with upstream.delete(
-                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=5.0)
-                ):
-                    pass
-
-        task = asyncio.ensure_future(delete())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _send(
         self,
@@ -637,25 +460,6 @@ class Forwarder:
             metrics.realised_hit_tokens.inc(cached if isinstance(cached, int) else 0)
         valid = isinstance(cached, int) and not isinstance(cached, bool)
         self.pool.check_cache(state, predicted, cached if valid else None)
-
-
-def prefill_body(request: dict[str, Any]) -> bytes:
-    """The prefill leg of a client's body, as vLLM's disaggregated proxy sends it: one
-    token, not streamed, ``do_remote_decode`` (its answer says where the blocks are)."""
-    body = {k: v for k, v in request.items() if k not in ("stream_options", "min_tokens")}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    return json.dumps(body).encode()
 
 
 def _refused(response: Response) -> bool:

@@ -16,7 +16,7 @@ Each worker's load, as the router sees it, is written here and nowhere else:
   (:meth:`WorkerLoad.leader`): a request sharing many of them is better held back until
   they are computed than sent to compute them a second time beside the first.
 
-The policy reads a snapshot of this (:class:`~kvpool.router.policy.WorkerView`); the
+The policy reads a snapshot of this (:class:`~kvpool.router.routing.inputs.WorkerView`); the
 pool owns the worker's membership, health and event streams; the data path claims and
 releases load through :meth:`WorkerLoad.begin` and :meth:`WorkerLoad.end`.
 """

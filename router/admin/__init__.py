@@ -1,0 +1,1 @@
+"""What operators read: health, models, metrics, debug endpoints and the OpenAPI text."""

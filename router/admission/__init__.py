@@ -1,0 +1,1 @@
+"""Who may send what, and when: the gate, tenants and flow control."""
