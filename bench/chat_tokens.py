@@ -1,5 +1,5 @@
 """The router's CPU for a short chat's prompt: its template rendered, tokenized and hashed
-(``router.tokens.PromptKeys.of``), on the event loop as kvpool does it today, and through
+(``router.routing.tokens.PromptKeys.of``), on the event loop as kvpool does it today, and through
 ``asyncio.to_thread`` as it did before (the baseline), in the same run.
 
 The chat: a system prompt of about 1,200 characters and a user question, with the tiny

@@ -1,11 +1,11 @@
-"""The router's own CPU per streamed chunk: ``router.relay.Relay.stream`` passing a worker's
+"""The router's own CPU per streamed chunk: ``router.proxy.relay.Relay.stream`` passing a worker's
 SSE stream on, event by event, with the router's real metrics and SSE parsing, fed from
 memory (no sockets: what is measured is the router's Python per chunk, not the network).
 
 Two relays in the same run:
 
 * **kvpool** (``router_cpu_us_per_chunk``): today's ``Relay.stream``, whose idle timeout is
-  one timer for the whole stream (``router.relay.IdleWatch``);
+  one timer for the whole stream (``router.proxy.relay.IdleWatch``);
 * **before** (``baseline_cpu_us_per_chunk``): the relay as it was before issue 43's first
   steps: an ``asyncio.timeout`` around every read, and every chunk parsed event by event
   (``SSEWatch.feed_events``; today's ``feed`` passes a whole delta event on as it is).

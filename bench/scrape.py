@@ -1,7 +1,7 @@
 """What reading a worker's load costs the router, per worker and per scrape.
 
 The router reads each worker's ``/metrics`` every ``scrape_interval_s`` (1 s by default)
-for the few series its policy needs (``router.pool.SCRAPED_SERIES``). A vLLM page is
+for the few series its policy needs (``router.state.scrape.SCRAPED_SERIES``). A vLLM page is
 hundreds of kilobytes, mostly histogram buckets. This measures, on a page the size of
 vLLM's (40 histogram families of 30 buckets, two engines, the load series among them):
 

@@ -65,7 +65,7 @@ class IndexFeed:
         # of single-engine workers, which keeps :meth:`match` to one pass over the index's
         self._rank_of: dict[str, tuple[str, int]] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        #: the other router replicas (router.peers.PeerLink), told of speculations
+        #: the other router replicas (router.state.peers.PeerLink), told of speculations
         self.peers: Any = None
 
     # -- a worker's entries ---------------------------------------------------------------

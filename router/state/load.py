@@ -101,7 +101,7 @@ class WorkerLoad:
     pooled_prefill: PrefillModel | None = field(default=None, repr=False)
     itl: float | None = None  # seconds per output token, averaged (COST.itl_weight)
     itl_totals: tuple[float, float] | None = None  # the last scrape's ITL histogram sum, count
-    #: what the other router replicas have on it (router.peers): requests in flight and
+    #: what the other router replicas have on it (router.state.peers): requests in flight and
     #: prompt tokens not yet prefilled, their rows summed, each written by its replica
     peer_in_flight: int = 0
     peer_queued: int = 0

@@ -94,7 +94,7 @@ class WorkerPool(Probes):
         #: the index's writer: the workers' event streams, their ranks, speculation
         self.feed = IndexFeed(index, self.workers, on_event_lag)
         self.changed = asyncio.Event()  # set when a worker becomes routable
-        #: the other router replicas (router.peers.PeerLink), when there are any
+        #: the other router replicas (router.state.peers.PeerLink), when there are any
         self.peers: Any = None
         self._peer_load: dict[str, tuple[int, int, int]] = {}  # worker -> the peers' sums
 
@@ -288,7 +288,7 @@ class WorkerPool(Probes):
     # -- the other router replicas ----------------------------------------------------------
 
     def share_with(self, peers: Any) -> None:
-        """Tell ``peers`` (a :class:`router.peers.PeerLink`) this router's load and
+        """Tell ``peers`` (a :class:`router.state.peers.PeerLink`) this router's load and
         speculations from now on."""
         self.peers = self.feed.peers = peers
         for state in self.workers.values():
