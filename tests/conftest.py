@@ -621,3 +621,24 @@ def start_router(llama_dir: Path) -> Iterator[Callable[..., RunningRouter]]:
     yield start
     for r in running:
         r.stop()
+
+
+@pytest.fixture
+def recording_workers(
+    start_router: Callable[..., RunningRouter],
+) -> Iterator[Callable[..., Any]]:
+    """Start recording workers (tests/recording_worker.py, or a class of its family); they
+    stop before the routers (this fixture asks for ``start_router``, so it is torn down
+    first)."""
+    from recording_worker import RecordingWorker
+
+    started: list[RecordingWorker] = []
+
+    def start(cls: type[RecordingWorker] = RecordingWorker, **kwargs: Any) -> RecordingWorker:
+        worker = cls(**kwargs)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

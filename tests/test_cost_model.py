@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import ast
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -92,25 +91,11 @@ def test_every_constant_of_the_cost_model_says_its_evidence() -> None:
         CostSettings(guard_slack=-1.0)
 
 
-@pytest.fixture
-def workers(start_router: Callable[..., RunningRouter]) -> Iterator[Callable[..., RecordingWorker]]:
-    started: list[RecordingWorker] = []
-
-    def start(**kwargs: Any) -> RecordingWorker:
-        worker = RecordingWorker(**kwargs)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
-
-
 def test_the_route_explains_each_workers_predicted_ttft_term_by_term(
     start_router: Callable[..., RunningRouter],
-    workers: Callable[..., RecordingWorker],
+    recording_workers: Callable[..., RecordingWorker],
 ) -> None:
-    calm, busy = workers(), workers()
+    calm, busy = recording_workers(), recording_workers()
     busy.waiting = 5.0  # its /metrics: five requests waiting that this router never sent
     router = start_router(worker=[calm.spec("calm"), busy.spec("busy")])
     router.wait_workers_up(2)

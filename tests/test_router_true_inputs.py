@@ -16,7 +16,7 @@ import json
 import random
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -48,21 +48,8 @@ BS = 16
 
 
 @pytest.fixture
-def workers(
-    start_router: Callable[..., RunningRouter],
-) -> Iterator[Callable[..., RecordingWorker]]:
-    """Start workers (a class of :class:`RecordingWorker`'s family); they stop before the
-    routers (this fixture asks for ``start_router``, so it is torn down first)."""
-    started: list[RecordingWorker] = []
-
-    def start(cls: type[RecordingWorker] = RecordingWorker, **kwargs: Any) -> RecordingWorker:
-        worker = cls(**kwargs)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
+def workers(recording_workers: Callable[..., RecordingWorker]) -> Callable[..., RecordingWorker]:
+    return recording_workers
 
 
 def _words(n: int, rng: random.Random) -> str:
