@@ -276,6 +276,34 @@ async def test_a_down_workers_models_are_not_served(pool_of: Setup) -> None:
     assert [c["id"] for c in pool.model_cards()] == [BASE]
 
 
+async def test_the_pools_context_follows_its_workers_and_is_not_computed_per_request(
+    pool_of: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The longest prompt the pool takes is its up workers' longest context: it changes when
+    a worker goes down, comes back, lists a new card or leaves, and is computed once per
+    such change, not once per request (every request asks it)."""
+    short, long = Worker(), Worker()
+    long.cards = [card(BASE, max_model_len=8192)]
+    pool, _ = await pool_of(short, long)
+    assert pool.context_tokens() == 8192
+
+    computed = []
+    real = pool._longest_context
+    monkeypatch.setattr(pool, "_longest_context", lambda: computed.append(1) or real())
+    for _ in range(100):
+        assert pool.context_tokens() == 8192
+    assert computed == []  # nothing changed: nothing computed again
+
+    pool.mark_down(pool.workers["w2"], "test")
+    assert pool.context_tokens() == 2048
+    await eventually(lambda: pool.context_tokens() == 8192, "the worker back up")
+    long.cards = [card(BASE, max_model_len=16384)]  # restarted with a longer context
+    await eventually(lambda: pool.context_tokens() == 16384, "its new card")
+    pool.set_endpoints([WorkerEndpoint(id="w1", url=short.url)])
+    assert pool.context_tokens() == 2048
+    assert 0 < len(computed) < 100
+
+
 # -- data-parallel ranks ----------------------------------------------------------------
 
 

@@ -68,6 +68,9 @@ __all__ = ["PoolConfig", "WorkerPool", "WorkerState", "parse_load"]
 
 log = logging.getLogger(__name__)
 
+#: a derived figure to be computed again
+_STALE = object()
+
 
 class WorkerPool(Probes):
     """The workers the router knows, kept current by discovery and by their own answers."""
@@ -97,6 +100,8 @@ class WorkerPool(Probes):
         #: the other router replicas (router.state.peers.PeerLink), when there are any
         self.peers: Any = None
         self._peer_load: dict[str, tuple[int, int, int]] = {}  # worker -> the peers' sums
+        #: context_tokens, until the workers change (changed_roster)
+        self._context: Any = _STALE
 
     # -- membership (from discovery) ------------------------------------------------------
 
@@ -132,6 +137,7 @@ class WorkerPool(Probes):
             )
             state.agreement = CacheAgreement(endpoint.id, cfg.block_size, check)
         self.workers[endpoint.id] = state
+        self.changed_roster()
         state.tasks.append(asyncio.create_task(self._health_loop(state)))
         state.tasks.append(asyncio.create_task(self._scrape_loop(state)))
         state.tasks.append(asyncio.create_task(self._models_loop(state)))
@@ -139,6 +145,7 @@ class WorkerPool(Probes):
 
     def _remove(self, wid: str) -> None:
         state = self.workers.pop(wid)
+        self.changed_roster()
         self.feed.forget(state, remove=True)
         for task in state.tasks:
             task.cancel()
@@ -246,7 +253,19 @@ class WorkerPool(Probes):
 
     def context_tokens(self) -> int | None:
         """The longest prompt an up worker takes: its ``max_model_len``, from its info (a
-        kvpool worker) or its ``/v1/models`` card (vLLM); ``None`` while no worker said."""
+        kvpool worker) or its ``/v1/models`` card (vLLM); ``None`` while no worker said.
+        Asked by every request: computed once per change of the workers (:meth:`changed_roster`),
+        not per request."""
+        if self._context is _STALE:
+            self._context = self._longest_context()
+        return self._context
+
+    def changed_roster(self) -> None:
+        """A worker joined or left, went up or down, or told its models: what the pool
+        derives from all of them is computed again when next asked."""
+        self._context = _STALE
+
+    def _longest_context(self) -> int | None:
         lengths = []
         for s in self.workers.values():
             if s.status == "up":

@@ -52,6 +52,7 @@ class Probes:
         state.unaccounted_waiting = 0
         state.itl_totals = None  # a restarted worker counts from zero again
         state.status = "down"
+        self.changed_roster()
         if dead and not state.tracked:
             # No events to show a restart: its entries are the router's own guesses, and a
             # refused connection says the process they were about is gone.
@@ -102,8 +103,10 @@ class Probes:
         elif state.status == "up":
             log.warning("worker %s answers /health %d", state.id, status)
             state.status = "unavailable"
+            self.changed_roster()
         elif state.status == "registering":
             state.status = "unavailable"
+            self.changed_roster()
 
     async def _register(self, state: WorkerState) -> None:
         try:
@@ -123,15 +126,18 @@ class Probes:
             log.warning("worker %s: registration failed: %s", state.id, exc)
             if state.status == "registering":
                 state.status = "unavailable"  # not in rotation, and known not to be coming
+                self.changed_roster()
             return
         if info is not None and state.info is not None and _boot(info) != _boot(state.info):
             # Another process under the same address: what the last one held is gone.
             log.warning("worker %s restarted (a new boot id): its index entries go", state.id)
             self.feed.forget(state, remove=False)
         state.info = info
+        self.changed_roster()
         if state.agreement is not None:
             state.agreement.restarted()
         state.set_models(cards)
+        self.changed_roster()
         vllm_cache = await self._vllm_cache_config(state) if info is None else None
         if info is not None:
             state.engines = (0,)
@@ -168,6 +174,7 @@ class Probes:
             credential = kv_events_credential(secret) if secret and state.info else None
             self.feed.start(state, *events, credential, ranks)
             state.status = "syncing"
+            self.changed_roster()
             started = time.monotonic()
             if not await self.feed.caught_up(state, self.config.index_sync_timeout_s):
                 log.warning(
@@ -186,6 +193,7 @@ class Probes:
             if self.workers.get(state.id) is not state or state.status != "syncing":
                 return  # removed, or taken down, while it synced
         state.status = "up"
+        self.changed_roster()
         self.changed.set()
         log.info(
             "worker %s is up: model %s, %s",
@@ -220,6 +228,7 @@ class Probes:
                 continue  # went down meanwhile: registration reads it again
             before = state.models
             state.set_models(cards)
+            self.changed_roster()
             if state.models != before:
                 log.info(
                     "worker %s serves %s (was %s)",
