@@ -664,7 +664,9 @@ PEER_LABELS = {
 
 def _routing() -> Any:
     """bench/routing.py, whose peer command lines these are."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # asked once per router started: put it there once
+        sys.path.insert(0, here)
     import routing
 
     return routing

@@ -22,14 +22,13 @@ def estimate_ttft(req: RouteRequest, w: WorkerView, cached: int | None = None) -
     none there). ``cached``: the request's cached tokens there, when the caller has them."""
     if cached is None:
         cached = req.cached_tokens(w)
-    waiting = w.unaccounted_waiting
     return predict_ttft(
         w.prefill,
         uncached_tokens=req.num_tokens - cached,
         queued_tokens=w.queued_tokens,
-        waiting_tokens=unaccounted_tokens(waiting, w.kv_per_request or req.num_tokens)
-        if waiting
-        else 0.0,
+        waiting_tokens=unaccounted_tokens(
+            w.unaccounted_waiting, w.kv_per_request or req.num_tokens
+        ),
     )
 
 

@@ -51,8 +51,7 @@ class Probes:
         state.kv_usage = state.waiting = state.running = state.scraped_at = None
         state.unaccounted_waiting = 0
         state.itl_totals = None  # a restarted worker counts from zero again
-        state.status = "down"
-        self.changed_roster()
+        self._set_status(state, "down")
         if dead and not state.tracked:
             # No events to show a restart: its entries are the router's own guesses, and a
             # refused connection says the process they were about is gone.
@@ -67,6 +66,11 @@ class Probes:
                 attempt.abort(f"worker {state.id} down: {why}")
             except Exception:  # one attempt's bug must not spare the others
                 log.exception("worker %s: aborting an attempt failed", state.id)
+
+    def _set_status(self, state: WorkerState, status: str) -> None:
+        """A worker's new status; what the pool derives from its up workers follows."""
+        state.status = status
+        self.changed_roster()
 
     async def _health_loop(self, state: WorkerState) -> None:
         cfg = self.config
@@ -102,11 +106,9 @@ class Probes:
                 await self._register(state)
         elif state.status == "up":
             log.warning("worker %s answers /health %d", state.id, status)
-            state.status = "unavailable"
-            self.changed_roster()
+            self._set_status(state, "unavailable")
         elif state.status == "registering":
-            state.status = "unavailable"
-            self.changed_roster()
+            self._set_status(state, "unavailable")
 
     async def _register(self, state: WorkerState) -> None:
         try:
@@ -125,19 +127,18 @@ class Probes:
         except Exception as exc:  # whatever answers there is not a worker we understand
             log.warning("worker %s: registration failed: %s", state.id, exc)
             if state.status == "registering":
-                state.status = "unavailable"  # not in rotation, and known not to be coming
-                self.changed_roster()
+                # not in rotation, and known not to be coming
+                self._set_status(state, "unavailable")
             return
         if info is not None and state.info is not None and _boot(info) != _boot(state.info):
             # Another process under the same address: what the last one held is gone.
             log.warning("worker %s restarted (a new boot id): its index entries go", state.id)
             self.feed.forget(state, remove=False)
         state.info = info
-        self.changed_roster()
         if state.agreement is not None:
             state.agreement.restarted()
         state.set_models(cards)
-        self.changed_roster()
+        self.changed_roster()  # its info and its cards
         vllm_cache = await self._vllm_cache_config(state) if info is None else None
         if info is not None:
             state.engines = (0,)
@@ -173,8 +174,7 @@ class Probes:
             # publisher speaks ZMQ's NULL mechanism and would refuse one.
             credential = kv_events_credential(secret) if secret and state.info else None
             self.feed.start(state, *events, credential, ranks)
-            state.status = "syncing"
-            self.changed_roster()
+            self._set_status(state, "syncing")
             started = time.monotonic()
             if not await self.feed.caught_up(state, self.config.index_sync_timeout_s):
                 log.warning(
@@ -192,8 +192,7 @@ class Probes:
                 )
             if self.workers.get(state.id) is not state or state.status != "syncing":
                 return  # removed, or taken down, while it synced
-        state.status = "up"
-        self.changed_roster()
+        self._set_status(state, "up")
         self.changed.set()
         log.info(
             "worker %s is up: model %s, %s",
